@@ -1,0 +1,173 @@
+"""Model configurations and named presets.
+
+One dataclass per model family is the single source of truth: its field names
+are the model's constructor arguments, the keys of `get_config()` and the
+command-line flags of the trainers. Build a model with
+`GPT(**dataclasses.asdict(config))`.
+"""
+
+import dataclasses
+import typing
+
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu")
+
+
+@dataclasses.dataclass
+class GPTConfig:
+    """Shape of a GPT decoder.
+
+    Args:
+        vocabulary_size: int. Number of token ids.
+        num_layers: int. Number of transformer blocks.
+        num_heads: int. Attention heads per block; must divide `hidden_dim`.
+        hidden_dim: int. Width of the residual stream.
+        intermediate_dim: int. Width of the feed-forward hidden layer.
+        max_sequence_length: int. Rows of the learned position table: the
+            longest context the model accepts.
+        dropout: float. Dropout rate on embeddings, attention probabilities
+            and both residual branches, in [0, 1).
+        activation: str. Feed-forward activation: `"gelu"` (exact, erf),
+            `"gelu_tanh"` (the tanh approximation GPT-2 uses) or `"relu"`.
+        norm_first: bool. Pre-layer-norm (GPT-2) when True, post-layer-norm
+            (the original Transformer) when False.
+        tie_embeddings: bool. Reuse the token embedding matrix as the output
+            projection (GPT-2) instead of a separate one.
+        layer_norm_epsilon: float. Epsilon of every layer norm.
+    """
+
+    vocabulary_size: int = 50257
+    num_layers: int = 12
+    num_heads: int = 12
+    hidden_dim: int = 768
+    intermediate_dim: int = 3072
+    max_sequence_length: int = 1024
+    dropout: float = 0.0
+    activation: str = "gelu_tanh"
+    norm_first: bool = True
+    tie_embeddings: bool = True
+    layer_norm_epsilon: float = 1e-5
+
+    def __post_init__(self):
+        validate_gpt_config(**dataclasses.asdict(self))
+
+    @classmethod
+    def from_preset(cls, name, **overrides):
+        """Returns the preset `name` with `overrides` applied on top."""
+        if name not in GPT_PRESETS:
+            raise ValueError(
+                f"Unknown preset. Received: preset={name!r}. "
+                f"Expected one of: {', '.join(sorted(GPT_PRESETS))}"
+            )
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(
+                f"Unknown GPTConfig field(s): {', '.join(sorted(unknown))}"
+            )
+        return cls(**{**GPT_PRESETS[name], **overrides})
+
+
+def _require_positive_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"`{name}` must be a positive integer. Received: {name}={value!r}"
+        )
+
+
+def validate_gpt_config(
+    vocabulary_size,
+    num_layers,
+    num_heads,
+    hidden_dim,
+    intermediate_dim,
+    max_sequence_length,
+    dropout,
+    activation,
+    norm_first,
+    tie_embeddings,
+    layer_norm_epsilon,
+):
+    """Raises ValueError naming the first field that is out of range."""
+    for name, value in (
+        ("vocabulary_size", vocabulary_size),
+        ("num_layers", num_layers),
+        ("num_heads", num_heads),
+        ("hidden_dim", hidden_dim),
+        ("intermediate_dim", intermediate_dim),
+        ("max_sequence_length", max_sequence_length),
+    ):
+        _require_positive_int(name, value)
+    if hidden_dim % num_heads:
+        raise ValueError(
+            "`hidden_dim` must be divisible by `num_heads`. "
+            f"Received: hidden_dim={hidden_dim}, num_heads={num_heads}"
+        )
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"`dropout` must be in [0, 1). Received: dropout={dropout!r}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(
+            f"`activation` must be one of {ACTIVATIONS}. "
+            f"Received: activation={activation!r}"
+        )
+    for name, value in (("norm_first", norm_first), ("tie_embeddings", tie_embeddings)):
+        if not isinstance(value, bool):
+            raise ValueError(f"`{name}` must be a bool. Received: {name}={value!r}")
+    if not layer_norm_epsilon > 0:
+        raise ValueError(
+            "`layer_norm_epsilon` must be positive. "
+            f"Received: layer_norm_epsilon={layer_norm_epsilon!r}"
+        )
+
+
+def _gpt2(num_layers, hidden_dim, num_heads):
+    return dict(
+        vocabulary_size=50257,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        hidden_dim=hidden_dim,
+        intermediate_dim=4 * hidden_dim,
+        max_sequence_length=1024,
+        dropout=0.1,
+        activation="gelu_tanh",
+        norm_first=True,
+        tie_embeddings=True,
+        layer_norm_epsilon=1e-5,
+    )
+
+
+# Published parameter counts of the GPT-2 family (tied embeddings): 124M,
+# 355M, 774M and 1558M (Radford et al. 2019, as counted by the released
+# checkpoints). tests/test_gpt.py asserts the exact integers.
+GPT_PRESETS: dict[str, dict[str, typing.Any]] = {
+    # Sized for a 2-core CPU: about 2M parameters, trains in minutes.
+    "gpt-demo": dict(
+        vocabulary_size=2000,
+        num_layers=4,
+        num_heads=4,
+        hidden_dim=192,
+        intermediate_dim=768,
+        max_sequence_length=128,
+        dropout=0.0,
+        activation="gelu_tanh",
+        norm_first=True,
+        tie_embeddings=True,
+        layer_norm_epsilon=1e-5,
+    ),
+    # nanoGPT's character-level Shakespeare shape (6 layers, 6 heads, 384).
+    "gpt-mini": dict(
+        vocabulary_size=2000,
+        num_layers=6,
+        num_heads=6,
+        hidden_dim=384,
+        intermediate_dim=1536,
+        max_sequence_length=256,
+        dropout=0.0,
+        activation="gelu_tanh",
+        norm_first=True,
+        tie_embeddings=True,
+        layer_norm_epsilon=1e-5,
+    ),
+    "gpt2-small": _gpt2(12, 768, 12),
+    "gpt2-medium": _gpt2(24, 1024, 16),
+    "gpt2-large": _gpt2(36, 1280, 20),
+    "gpt2-xl": _gpt2(48, 1600, 25),
+}

@@ -1,0 +1,219 @@
+"""GPT: a decoder-only transformer language model."""
+
+import dataclasses
+
+import keras
+import tensorflow as tf
+
+from tfgpt.config import GPTConfig, validate_gpt_config
+from tfgpt.layers.token_and_position_embedding import TokenAndPositionEmbedding
+from tfgpt.layers.transformer_block import TransformerBlock
+
+
+@keras.saving.register_keras_serializable(package="tfgpt")
+class GPT(keras.Model):
+    """Decoder-only transformer language model (Radford et al. 2018, 2019).
+
+    Token and position embeddings, `num_layers` causal transformer blocks, a
+    final layer norm (pre-LN only) and a projection to the vocabulary, tied
+    to the token embedding by default. Returns float32 logits of shape
+    (B, T, vocabulary_size) whatever the dtype policy, so the loss and its
+    softmax run in float32 under mixed precision.
+
+    Args:
+        vocabulary_size: int. Number of token ids.
+        num_layers: int. Number of transformer blocks.
+        num_heads: int. Attention heads; must divide `hidden_dim`.
+        hidden_dim: int. Width of the residual stream.
+        intermediate_dim: int. Width of the feed-forward hidden layer.
+        max_sequence_length: int. Longest context (rows of the position table).
+        dropout: float. Dropout rate, in [0, 1).
+        activation: str. `"gelu"`, `"gelu_tanh"` (GPT-2) or `"relu"`.
+        norm_first: bool. Pre-LN (GPT-2) when True, post-LN when False.
+        tie_embeddings: bool. Output projection shares the token embedding.
+        layer_norm_epsilon: float. Epsilon of every layer norm.
+
+    Example:
+    >>> model = GPT.from_preset("gpt-demo", num_layers=2)
+    >>> logits = model(tf.constant([[1, 2, 3]]))
+    >>> logits.shape
+    TensorShape([1, 3, 2000])
+    """
+
+    def __init__(
+        self,
+        vocabulary_size,
+        num_layers,
+        num_heads,
+        hidden_dim,
+        intermediate_dim,
+        max_sequence_length,
+        dropout=0.0,
+        activation="gelu_tanh",
+        norm_first=True,
+        tie_embeddings=True,
+        layer_norm_epsilon=1e-5,
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        validate_gpt_config(
+            vocabulary_size=vocabulary_size,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            hidden_dim=hidden_dim,
+            intermediate_dim=intermediate_dim,
+            max_sequence_length=max_sequence_length,
+            dropout=dropout,
+            activation=activation,
+            norm_first=norm_first,
+            tie_embeddings=tie_embeddings,
+            layer_norm_epsilon=layer_norm_epsilon,
+        )
+        self.vocabulary_size = vocabulary_size
+        self.num_layers = num_layers
+        self.num_heads = num_heads
+        self.hidden_dim = hidden_dim
+        self.intermediate_dim = intermediate_dim
+        self.max_sequence_length = max_sequence_length
+        self.dropout = dropout
+        self.activation = activation
+        self.norm_first = norm_first
+        self.tie_embeddings = tie_embeddings
+        self.layer_norm_epsilon = layer_norm_epsilon
+
+        policy = self.dtype_policy
+        self.embeddings = TokenAndPositionEmbedding(
+            vocabulary_size,
+            max_sequence_length,
+            hidden_dim,
+            dropout=dropout,
+            dtype=policy,
+            name="embeddings",
+        )
+        self.blocks = [
+            TransformerBlock(
+                hidden_dim,
+                num_heads,
+                intermediate_dim,
+                dropout=dropout,
+                activation=activation,
+                norm_first=norm_first,
+                layer_norm_epsilon=layer_norm_epsilon,
+                dtype=policy,
+                name=f"block_{index}",
+            )
+            for index in range(num_layers)
+        ]
+        # Post-LN blocks already end in a norm; pre-LN needs one after the last.
+        self.final_norm = (
+            keras.layers.LayerNormalization(
+                epsilon=layer_norm_epsilon, dtype=policy, name="final_norm"
+            )
+            if norm_first
+            else None
+        )
+        self.lm_head = (
+            None
+            if tie_embeddings
+            else keras.layers.Dense(
+                vocabulary_size,
+                use_bias=False,
+                kernel_initializer=keras.initializers.RandomNormal(stddev=0.02),
+                dtype=policy,
+                name="lm_head",
+            )
+        )
+        self.build((None, None))
+
+    @classmethod
+    def from_preset(cls, name, **overrides):
+        """Builds the named preset (see `tfgpt.config.GPT_PRESETS`)."""
+        return cls(**dataclasses.asdict(GPTConfig.from_preset(name, **overrides)))
+
+    def build(self, input_shape):
+        hidden_shape = tuple(input_shape) + (self.hidden_dim,)
+        self.embeddings.build(input_shape)
+        for block in self.blocks:
+            block.build(hidden_shape)
+        if self.final_norm is not None:
+            self.final_norm.build(hidden_shape)
+        if self.lm_head is not None:
+            self.lm_head.build(hidden_shape)
+        self.built = True
+
+    def call(
+        self,
+        token_ids,
+        padding_mask=None,
+        cache=None,
+        cache_index=0,
+        positions=None,
+        training=None,
+    ):
+        """Returns next-token logits (B, T, V) in float32.
+
+        Args:
+            token_ids: int tensor (B, T).
+            padding_mask: optional (B, S) mask of real key positions.
+            cache: optional (B, num_layers, 2, S, H, D) key/value cache; when
+                given, the updated cache is returned after the logits.
+            cache_index: position of `token_ids[:, 0]` in the cache.
+            positions: optional explicit positions (B, T) for left padding.
+            training: bool. Enables dropout.
+        """
+        x = self.embeddings(
+            token_ids, start_index=cache_index, positions=positions, training=training
+        )  # (B, T, C)
+        new_caches = []
+        for index, block in enumerate(self.blocks):
+            if cache is None:
+                x = block(x, padding_mask=padding_mask, training=training)
+            else:
+                x, layer_cache = block(
+                    x,
+                    padding_mask=padding_mask,
+                    cache=cache[:, index],
+                    cache_index=cache_index,
+                    training=training,
+                )
+                new_caches.append(layer_cache)
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        logits = self._project_to_vocabulary(x)  # (B, T, V)
+        if cache is not None:
+            return logits, tf.stack(new_caches, axis=1)  # (B, L, 2, S, H, D)
+        return logits
+
+    def _project_to_vocabulary(self, x):
+        if self.lm_head is not None:
+            logits = self.lm_head(x)
+        else:
+            embedding = tf.cast(
+                self.embeddings.token_embedding.embeddings, self.compute_dtype
+            )  # (V, C)
+            logits = tf.matmul(x, embedding, transpose_b=True)  # (B, T, V)
+        return tf.cast(logits, "float32")
+
+    def empty_cache(self, batch_size, cache_length=None):
+        """Returns a zero key/value cache (B, L, 2, S, H, D) for decoding."""
+        cache_length = cache_length or self.max_sequence_length
+        head_dim = self.hidden_dim // self.num_heads
+        shape = [batch_size, self.num_layers, 2, cache_length, self.num_heads, head_dim]
+        return tf.zeros(shape, dtype=self.compute_dtype)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            vocabulary_size=self.vocabulary_size,
+            num_layers=self.num_layers,
+            num_heads=self.num_heads,
+            hidden_dim=self.hidden_dim,
+            intermediate_dim=self.intermediate_dim,
+            max_sequence_length=self.max_sequence_length,
+            dropout=self.dropout,
+            activation=self.activation,
+            norm_first=self.norm_first,
+            tie_embeddings=self.tie_embeddings,
+            layer_norm_epsilon=self.layer_norm_epsilon,
+        )
+        return config
