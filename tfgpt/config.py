@@ -171,3 +171,106 @@ GPT_PRESETS: dict[str, dict[str, typing.Any]] = {
     "gpt2-large": _gpt2(36, 1280, 20),
     "gpt2-xl": _gpt2(48, 1600, 25),
 }
+
+
+MIXED_PRECISION = ("off", "float16", "bfloat16")
+SCHEDULES = ("cosine", "linear", "constant")
+OPTIMIZERS = ("adamw",)
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """How to train: data, steps, optimisation, precision, output.
+
+    Every field is a trainer flag (`batch_size` is `--batch-size`).
+
+    Args:
+        data: str. Directory written by `python -m pipelines.prepare`.
+        preset: str. Model preset; model flags override its fields.
+        steps: int. Optimizer steps to run in total.
+        batch_size: int. Sequences per worker per step.
+        learning_rate: float. Peak learning rate for one worker; with
+            `scale_learning_rate` it is multiplied by the number of workers.
+        scale_learning_rate: bool. Scale the learning rate linearly with the
+            number of workers (Goyal et al. 2017, Horovod's recipe).
+        warmup_steps: int. Linear warmup from 0 to the peak.
+        schedule: str. Decay after warmup: cosine, linear or constant.
+        final_learning_rate_ratio: float. Learning rate at the last step as
+            a fraction of the peak.
+        optimizer: str. Optimizer name.
+        weight_decay: float. Decoupled weight decay (not applied to biases,
+            layer norms and embeddings).
+        gradient_clip_norm: float. Global-norm clipping; 0 disables it.
+        xla: bool. JIT-compile the forward and backward pass with XLA.
+        mixed_precision: str. off, float16 (with dynamic loss scaling) or
+            bfloat16. Variables stay float32 either way.
+        seed: int. Seed for weights, dropout and data order.
+        out: str. Output directory: checkpoints, config.json, TensorBoard
+            scalars and metrics.jsonl.
+        log_every: int. Steps between log lines.
+        save_every: int. Steps between checkpoints; 0 saves only at the end.
+        keep_checkpoints: int. Checkpoints kept on disk.
+        eval_batches: int. Validation batches per worker at the end; 0 reads
+            the whole validation split once.
+        resume: bool. Continue from the latest checkpoint in `out`.
+        intra_op_threads: int. Threads per worker for one op; 0 divides the
+            machine's cores among the workers on it.
+    """
+
+    data: str = ""
+    preset: str = "gpt-demo"
+    steps: int = 1000
+    batch_size: int = 16
+    learning_rate: float = 1e-3
+    scale_learning_rate: bool = True
+    warmup_steps: int = 100
+    schedule: str = "cosine"
+    final_learning_rate_ratio: float = 0.1
+    optimizer: str = "adamw"
+    weight_decay: float = 0.1
+    gradient_clip_norm: float = 1.0
+    xla: bool = False
+    mixed_precision: str = "off"
+    seed: int = 0
+    out: str = "runs/gpt"
+    log_every: int = 10
+    save_every: int = 0
+    keep_checkpoints: int = 3
+    eval_batches: int = 50
+    resume: bool = False
+    intra_op_threads: int = 0
+
+    def __post_init__(self):
+        if not self.data:
+            raise ValueError("`data` is required: the directory written by pipelines.prepare.")
+        for name in ("steps", "batch_size", "log_every", "keep_checkpoints"):
+            _require_positive_int(name, getattr(self, name))
+        for name in ("warmup_steps", "save_every", "eval_batches", "intra_op_threads"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(
+                    f"`{name}` must be a non-negative integer. Received: {name}={value!r}"
+                )
+        if not self.learning_rate > 0:
+            raise ValueError(
+                f"`learning_rate` must be positive. Received: learning_rate={self.learning_rate!r}"
+            )
+        for name, allowed in (
+            ("mixed_precision", MIXED_PRECISION),
+            ("schedule", SCHEDULES),
+            ("optimizer", OPTIMIZERS),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ValueError(
+                    f"`{name}` must be one of {allowed}. Received: {name}={getattr(self, name)!r}"
+                )
+        if self.preset not in GPT_PRESETS:
+            raise ValueError(
+                f"Unknown preset. Received: preset={self.preset!r}. "
+                f"Expected one of: {', '.join(sorted(GPT_PRESETS))}"
+            )
+        for name in ("weight_decay", "gradient_clip_norm", "final_learning_rate_ratio"):
+            if getattr(self, name) < 0:
+                raise ValueError(
+                    f"`{name}` must be non-negative. Received: {name}={getattr(self, name)!r}"
+                )
