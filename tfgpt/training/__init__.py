@@ -1,0 +1,1 @@
+"""The parts every trainer shares: step, schedule, checkpoints, logging, loop."""

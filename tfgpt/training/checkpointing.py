@@ -1,0 +1,78 @@
+"""Checkpoints: model, optimizer and step, plus the resolved config as JSON."""
+
+import json
+import os
+import shutil
+import tempfile
+
+import tensorflow as tf
+
+CONFIG_FILE = "config.json"
+TOKENIZER_FILE = "tokenizer.model"
+
+
+def write_json_atomically(path, data):
+    directory = os.path.dirname(os.path.abspath(path))
+    with tempfile.NamedTemporaryFile("w", dir=directory, delete=False, suffix=".tmp") as file:
+        json.dump(data, file, indent=2, sort_keys=True)
+        file.write("\n")
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(file.name, path)
+
+
+def read_config(directory):
+    """Returns the resolved config saved beside a run's checkpoints."""
+    path = os.path.join(directory, CONFIG_FILE)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no {CONFIG_FILE} in {directory}: not a tfgpt run directory")
+    with open(path) as file:
+        return json.load(file)
+
+
+class Checkpointer:
+    """Saves and restores a run through `tf.train.CheckpointManager`.
+
+    The manager writes a checkpoint's files first and updates its index
+    last, so a crash mid-save leaves the previous checkpoint as the latest.
+    Only the chief writes; every worker can restore.
+
+    Args:
+        directory: str. The run's output directory.
+        is_chief: bool. Whether this worker writes.
+        keep: int. Checkpoints kept.
+        **trackables: what to save (model, optimizer, step, ...).
+    """
+
+    def __init__(self, directory, is_chief, keep=3, **trackables):
+        self.directory = directory
+        self.is_chief = is_chief
+        self.checkpoint = tf.train.Checkpoint(**trackables)
+        self.manager = tf.train.CheckpointManager(
+            self.checkpoint, directory, max_to_keep=keep, checkpoint_name="ckpt"
+        )
+
+    @property
+    def latest(self):
+        return self.manager.latest_checkpoint
+
+    def write_run_files(self, config, tokenizer_path=None):
+        """Writes config.json (and copies the tokenizer) into the run directory."""
+        if not self.is_chief:
+            return
+        os.makedirs(self.directory, exist_ok=True)
+        write_json_atomically(os.path.join(self.directory, CONFIG_FILE), config)
+        if tokenizer_path:
+            shutil.copyfile(tokenizer_path, os.path.join(self.directory, TOKENIZER_FILE))
+
+    def save(self, step):
+        if self.is_chief:
+            return self.manager.save(checkpoint_number=int(step))
+        return None
+
+    def restore_latest(self):
+        """Restores the newest checkpoint; returns its path or None."""
+        path = self.latest
+        if path:
+            self.checkpoint.restore(path).assert_existing_objects_matched()
+        return path

@@ -1,0 +1,41 @@
+"""Optimizer construction from a TrainConfig."""
+
+import keras
+
+from tfgpt.training.schedules import WarmupDecay
+
+# Weight decay regularises matrices; decaying norms, biases and embeddings
+# hurts (Loshchilov & Hutter 2019; GPT-2 and nanoGPT exclude them too).
+NO_DECAY_PATTERN = r"(bias|gamma|beta|embeddings)"
+
+
+def learning_rate_schedule(config, num_workers=1):
+    peak = config.learning_rate * (num_workers if config.scale_learning_rate else 1)
+    return WarmupDecay(
+        peak,
+        warmup_steps=min(config.warmup_steps, config.steps),
+        total_steps=config.steps,
+        decay=config.schedule,
+        final_ratio=config.final_learning_rate_ratio,
+    )
+
+
+def make_optimizer(config, num_workers=1):
+    """Returns the optimizer for `config`, wrapped for loss scaling under float16.
+
+    Args:
+        config: TrainConfig.
+        num_workers: int. Data-parallel workers, for learning-rate scaling.
+    """
+    optimizer = keras.optimizers.AdamW(
+        learning_rate=learning_rate_schedule(config, num_workers),
+        weight_decay=config.weight_decay,
+        beta_1=0.9,
+        beta_2=0.95,
+        epsilon=1e-8,
+        global_clipnorm=config.gradient_clip_norm or None,
+    )
+    optimizer.exclude_from_weight_decay(var_names=[NO_DECAY_PATTERN])
+    if config.mixed_precision == "float16":
+        optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+    return optimizer

@@ -1,0 +1,63 @@
+"""Rank-0 logging: console lines, metrics.jsonl and TensorBoard scalars."""
+
+import json
+import math
+import os
+import sys
+import time
+
+import tensorflow as tf
+
+
+class Reporter:
+    """Writes metrics from the chief worker only; other workers stay silent.
+
+    Args:
+        out_dir: str. Where `metrics.jsonl` and `tensorboard/` go.
+        is_chief: bool. Only the chief prints and writes.
+        stream: file object for console lines.
+    """
+
+    def __init__(self, out_dir, is_chief, stream=sys.stdout):
+        self.is_chief = is_chief
+        self.stream = stream
+        self._writer = None
+        self._jsonl = None
+        if is_chief:
+            os.makedirs(out_dir, exist_ok=True)
+            self._writer = tf.summary.create_file_writer(os.path.join(out_dir, "tensorboard"))
+            self._jsonl = open(os.path.join(out_dir, "metrics.jsonl"), "a", buffering=1)
+
+    def info(self, message):
+        if self.is_chief:
+            print(message, file=self.stream, flush=True)
+
+    def scalars(self, step, metrics, prefix="train"):
+        """Logs `metrics` (name -> float) at `step`: one console line, one JSON line."""
+        if not self.is_chief:
+            return
+        record = {"step": int(step), "split": prefix, "time": time.time()}
+        record.update({name: float(value) for name, value in metrics.items()})
+        self._jsonl.write(json.dumps(record) + "\n")
+        with self._writer.as_default(step=int(step)):
+            for name, value in metrics.items():
+                tf.summary.scalar(f"{prefix}/{name}", float(value))
+        self._writer.flush()
+        parts = [f"{prefix} step {int(step):>6d}"]
+        parts += [f"{name} {_format(value)}" for name, value in metrics.items()]
+        self.info(" | ".join(parts))
+
+    def close(self):
+        if self._writer is not None:
+            self._writer.close()
+        if self._jsonl is not None:
+            self._jsonl.close()
+
+
+def _format(value):
+    value = float(value)
+    if not math.isfinite(value):
+        return str(value)
+    if value == 0 or 1e-2 <= abs(value) < 1e5:
+        return f"{value:.4f}" if abs(value) < 100 else f"{value:,.0f}"
+    return f"{value:.3e}"

@@ -1,0 +1,40 @@
+"""Train a GPT with Horovod data parallelism.
+
+    horovodrun -np 2 python train_hvd.py --data data/demo --preset gpt-demo --steps 300
+
+Every worker runs this script on its own part of the data; gradients are
+averaged after each step. The flags are TrainConfig's and GPTConfig's
+fields (see `--help`).
+"""
+
+import sys
+
+from tfgpt.training.flags import parse_flags
+from tfgpt.training.trainer import TrainingDiverged, train
+
+
+def main(argv=None):
+    # Config: parsed and validated before any worker touches TensorFlow.
+    train_config, model_overrides = parse_flags(argv, description=__doc__)
+
+    # Devices.
+    # Horovod: import late so that --help works without a Horovod build.
+    from tfgpt.distributed.horovod_bridge import HorovodDistribution
+
+    # Horovod: one process per device; rank 0 logs and writes checkpoints.
+    distribution = HorovodDistribution()
+    # Horovod: one GPU per local rank, or the CPU cores split between ranks.
+    distribution.configure_devices(train_config.intra_op_threads)
+
+    # Data, model, optimizer, loop, save: the shared core.
+    # Horovod: the learning rate scales with the number of workers inside.
+    try:
+        train(train_config, model_overrides, distribution)
+    except (ValueError, TrainingDiverged) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
