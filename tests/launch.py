@@ -1,0 +1,54 @@
+"""Starting real worker processes from tests, with a bound on their time."""
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+HOROVODRUN = Path(sys.executable).parent / "horovodrun"
+# A hung rendezvous must fail the test, not block CI.
+TIMEOUT_SECONDS = 300
+
+
+def run(command, timeout=TIMEOUT_SECONDS, env=None):
+    """Runs `command` in its own process group; returns (returncode, output).
+
+    On timeout the whole group (horovodrun and its workers) is killed and
+    the test fails with the output so far.
+    """
+    environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    environment["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO)] + [p for p in environment.get("PYTHONPATH", "").split(os.pathsep) if p]
+    )
+    environment.update(env or {})
+    process = subprocess.Popen(
+        [str(part) for part in command],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=environment,
+        cwd=REPO,
+        start_new_session=True,
+    )
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"timed out after {timeout}s: {' '.join(map(str, command))}\n{output}")
+    return process.returncode, output
+
+
+def horovodrun(num_workers, *command, timeout=TIMEOUT_SECONDS):
+    """Runs `python command...` under `horovodrun -np N --gloo` on localhost."""
+    if not HOROVODRUN.exists():
+        pytest.fail(f"{HOROVODRUN} not found: run `make setup` to build Horovod")
+    return run(
+        [HOROVODRUN, "-np", num_workers, "--gloo", "-H", f"localhost:{num_workers}",
+         sys.executable, *command],
+        timeout=timeout,
+    )

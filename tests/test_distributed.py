@@ -1,0 +1,29 @@
+"""Real multi-process runs: different data per rank, identical weights after."""
+
+import numpy as np
+import pytest
+
+from tests.launch import REPO, horovodrun
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.mark.parametrize("xla", [False, True], ids=["eager-graph", "xla"])
+def test_horovod_train_step_averages_gradients_and_keeps_ranks_equal(tmp_path, xla):
+    script = REPO / "tests" / "hvd_scripts" / "train_step_check.py"
+    code, output = horovodrun(2, script, tmp_path, *(["--xla"] if xla else []))
+    assert code == 0, output
+    ranks = [np.load(tmp_path / f"rank-{rank}.npz") for rank in (0, 1)]
+    # The ranks saw different data, so their own gradients differ.
+    assert np.abs(ranks[0]["local_0"] - ranks[1]["local_0"]).max() > 1e-4
+    count = len([key for key in ranks[0] if key.startswith("final_")])
+    for index in range(count):
+        first, second = (r[f"local_{index}"] for r in ranks)
+        # The allreduce returns their NumPy mean on every rank ...
+        for rank in ranks:
+            np.testing.assert_allclose(rank[f"averaged_{index}"], (first + second) / 2, atol=1e-6)
+        # ... broadcast made the start equal and averaging kept it equal.
+        np.testing.assert_array_equal(ranks[0][f"initial_{index}"], ranks[1][f"initial_{index}"])
+        np.testing.assert_array_equal(ranks[0][f"final_{index}"], ranks[1][f"final_{index}"])
+    assert not np.array_equal(ranks[0]["final_0"], ranks[0]["initial_0"])
+    assert not np.array_equal(ranks[0]["losses"], ranks[1]["losses"])
