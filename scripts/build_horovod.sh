@@ -1,0 +1,188 @@
+#!/usr/bin/env bash
+# Build Horovod from its sdist against the TensorFlow installed in the venv.
+#
+# Usage: scripts/build_horovod.sh [--force | --check-prereqs]
+#   (no flag)        build unless the stamp says this exact build is done and
+#                    `import horovod.tensorflow; hvd.init()` works
+#   --force          rebuild even if the stamp is current
+#   --check-prereqs  only check the system tools the build needs, then exit
+# PYTHON selects the interpreter (default: .venv/bin/python at the repo root).
+#
+# Why build from source: there is no Horovod wheel for TF 2.21 / Python 3.11,
+# and the 0.28.1 sdist (the newest release) does not compile against TF >= 2.16
+# because horovod/tensorflow/xla_mpi_ops.cc includes pre-2.16 XLA header paths.
+# That file only provides Horovod ops for XLA-compiled graphs (off unless
+# HOROVOD_ENABLE_XLA_OPS=1), so we drop it from the TF source list and build
+# CPU-only with Gloo and without MPI: gcc, make and the cmake from
+# requirements.txt are all it needs.
+set -euo pipefail
+
+readonly HOROVOD_VERSION="0.28.1"
+readonly HOROVOD_SDIST_SHA256="92a43f5a94c43907a56805bad15f19700c62ffc83b7ca483f9e104e229f67ef0"
+# Bump when the build recipe (patch, env vars) changes so old stamps go stale.
+readonly BUILD_RECIPE="1"
+readonly XLA_LINE='list(APPEND TF_SOURCES "${PROJECT_SOURCE_DIR}/horovod/tensorflow/xla_mpi_ops.cc")'
+readonly MPI_OPS_LINE='list(APPEND TF_SOURCES "${PROJECT_SOURCE_DIR}/horovod/tensorflow/mpi_ops.cc")'
+
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PYTHON="${PYTHON:-$REPO_ROOT/.venv/bin/python}"
+BUILD_DIR="$REPO_ROOT/build"
+LOG="$BUILD_DIR/horovod-build.log"
+
+log() { echo "[build_horovod] $*"; }
+die() { echo "[build_horovod] ERROR: $*" >&2; exit 1; }
+
+MODE="build"
+case "${1:-}" in
+  "") ;;
+  --force) MODE="force" ;;
+  --check-prereqs) MODE="check" ;;
+  *) die "unknown argument '$1' (expected --force or --check-prereqs)" ;;
+esac
+
+check_prereqs() {
+  [[ -x "$PYTHON" ]] || die "python not found at $PYTHON: run scripts/setup.sh first (or set PYTHON=...)"
+  local tool
+  for tool in gcc g++ make; do
+    command -v "$tool" >/dev/null 2>&1 \
+      || die "$tool not found: install it with apt-get install $tool"
+  done
+  local include_dir
+  include_dir="$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')"
+  [[ -f "$include_dir/Python.h" ]] \
+    || die "Python.h missing in $include_dir: apt-get install python3-dev (python3.11-dev)"
+}
+
+check_prereqs
+if [[ "$MODE" == "check" ]]; then
+  log "prerequisites OK (gcc, g++, make, Python.h)"
+  exit 0
+fi
+
+VENV_DIR="$("$PYTHON" -c 'import sys; print(sys.prefix)')"
+STAMP="$VENV_DIR/.tfgpt-horovod.stamp"
+
+# Keep TF's C++ INFO banners out of the checks below.
+export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-2}"
+# Read the version from the package metadata: importing TF costs seconds.
+TF_VERSION="$("$PYTHON" -c 'import importlib.metadata as m; print(m.version("tensorflow"))' 2>/dev/null)" \
+  || die "tensorflow is not installed for $PYTHON: install requirements.txt first (scripts/setup.sh)"
+EXPECTED_STAMP="horovod=$HOROVOD_VERSION tensorflow=$TF_VERSION recipe=$BUILD_RECIPE"
+
+# Same test the stamp check and the post-build check use. hvd.init() outside
+# horovodrun starts a size-1 Gloo context; it proves the TF op library loads.
+hvd_works() {
+  "$PYTHON" -c 'import horovod.tensorflow as hvd; hvd.init(); assert hvd.size() >= 1' >/dev/null 2>&1
+}
+
+if [[ "$MODE" == "build" && -f "$STAMP" && "$(cat "$STAMP")" == "$EXPECTED_STAMP" ]]; then
+  if hvd_works; then
+    log "horovod $HOROVOD_VERSION already built against tensorflow $TF_VERSION: skipping build"
+    exit 0
+  fi
+  log "stamp is current but 'import horovod.tensorflow; hvd.init()' fails: rebuilding"
+fi
+
+CMAKE_BIN="$(dirname "$PYTHON")/cmake"
+if [[ ! -x "$CMAKE_BIN" ]]; then
+  CMAKE_BIN="$(command -v cmake || true)"
+  [[ -n "$CMAKE_BIN" ]] || die "cmake not found: pip install cmake (it is in requirements.txt) or apt-get install cmake"
+fi
+
+mkdir -p "$BUILD_DIR"
+SDIST_DIR="$BUILD_DIR/horovod-sdist"
+SDIST="$SDIST_DIR/horovod-$HOROVOD_VERSION.tar.gz"
+SRC_DIR="$BUILD_DIR/horovod-$HOROVOD_VERSION"
+
+if [[ ! -f "$SDIST" ]]; then
+  log "downloading horovod $HOROVOD_VERSION sdist"
+  if ! download_out="$("$PYTHON" -m pip download --no-deps --no-binary :all: \
+      "horovod==$HOROVOD_VERSION" -d "$SDIST_DIR" 2>&1)"; then
+    echo "$download_out" >&2
+    die "step 'download horovod sdist' failed: pip could not fetch horovod==$HOROVOD_VERSION"
+  fi
+fi
+actual_sha="$(sha256sum "$SDIST" | cut -d' ' -f1)"
+if [[ "$actual_sha" != "$HOROVOD_SDIST_SHA256" ]]; then
+  rm -f "$SDIST"
+  die "sdist checksum mismatch for horovod $HOROVOD_VERSION (got $actual_sha, want $HOROVOD_SDIST_SHA256); deleted it, rerun to download again"
+fi
+
+# Unpack fresh every time so the patch always applies to pristine source.
+log "unpacking sdist into $SRC_DIR"
+rm -rf "$SRC_DIR"
+tar -xzf "$SDIST" -C "$BUILD_DIR"
+
+# The patch: remove exactly one line, and refuse to build if the sdist does
+# not look the way we expect (a changed sdist must not build unpatched).
+TF_CMAKE="$SRC_DIR/horovod/tensorflow/CMakeLists.txt"
+[[ -f "$TF_CMAKE" ]] || die "patch failed: $TF_CMAKE not found in the sdist"
+xla_count="$(grep -cxF "$XLA_LINE" "$TF_CMAKE" || true)"
+[[ "$xla_count" == "1" ]] \
+  || die "patch failed: expected exactly 1 line '$XLA_LINE' in $TF_CMAKE, found $xla_count"
+grep -vxF "$XLA_LINE" "$TF_CMAKE" > "$TF_CMAKE.patched"
+mv "$TF_CMAKE.patched" "$TF_CMAKE"
+if grep -q "xla_mpi_ops" "$TF_CMAKE" || ! grep -qxF "$MPI_OPS_LINE" "$TF_CMAKE"; then
+  die "patch failed: $TF_CMAKE does not look as expected after removing xla_mpi_ops.cc"
+fi
+log "patched $TF_CMAKE: dropped xla_mpi_ops.cc (does not compile against TF >= 2.16)"
+
+if "$PYTHON" -m pip show horovod >/dev/null 2>&1; then
+  log "removing the previously installed horovod"
+  "$PYTHON" -m pip uninstall --yes --quiet horovod
+fi
+
+NPROC="$(nproc 2>/dev/null || echo 2)"
+# Horovod's setup.py runs `make -j8` unless MAKEFLAGS is set; match the cores.
+export MAKEFLAGS="${MAKEFLAGS:--j$NPROC}"
+export HOROVOD_CMAKE="$CMAKE_BIN"
+# gloo's CMakeLists.txt asks for cmake 2.8.12, which cmake >= 4 refuses
+# without this; older cmake ignores the variable.
+export CMAKE_POLICY_VERSION_MINIMUM=3.5
+export HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1
+export HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1
+
+log "building horovod $HOROVOD_VERSION against tensorflow $TF_VERSION"
+log "  this compiles C++ against the TF headers and takes 2-5 minutes on 2 cores"
+log "  (cmake $("$CMAKE_BIN" --version | head -1 | awk '{print $3}'), MAKEFLAGS=$MAKEFLAGS); full output: $LOG"
+
+start=$SECONDS
+"$PYTHON" -m pip install --verbose --no-build-isolation "$SRC_DIR" > "$LOG" 2>&1 &
+pip_pid=$!
+trap 'kill "$pip_pid" 2>/dev/null || true' INT TERM
+while kill -0 "$pip_pid" 2>/dev/null; do
+  for _ in $(seq 30); do
+    kill -0 "$pip_pid" 2>/dev/null || break
+    sleep 1
+  done
+  if kill -0 "$pip_pid" 2>/dev/null; then
+    progress="$(grep -oE '\[ *[0-9]+%\]' "$LOG" | tail -1 || true)"
+    log "  still building... $((SECONDS - start))s elapsed ${progress:+(cmake progress $progress)}"
+  fi
+done
+if wait "$pip_pid"; then rc=0; else rc=$?; fi
+trap - INT TERM
+
+if [[ "$rc" != "0" ]]; then
+  echo "----- last 40 lines of $LOG -----" >&2
+  tail -n 40 "$LOG" >&2
+  echo "---------------------------------" >&2
+  die "step 'pip install horovod' failed (exit $rc) after $((SECONDS - start))s; full log: $LOG"
+fi
+log "build finished in $((SECONDS - start))s"
+
+if ! import_out="$("$PYTHON" -c 'import horovod, horovod.tensorflow as hvd; hvd.init(); print(f"horovod {horovod.__version__}, rank {hvd.rank()} of {hvd.size()}")' 2>&1)"; then
+  echo "$import_out" >&2
+  die "step 'import horovod.tensorflow; hvd.init()' failed after a successful build; see $LOG"
+fi
+log "import check: $(tail -n 1 <<<"$import_out")"
+HOROVODRUN="$(dirname "$PYTHON")/horovodrun"
+if ! check_out="$("$HOROVODRUN" --check-build 2>&1)" \
+    || ! grep -q '\[X\] TensorFlow' <<<"$check_out" \
+    || ! grep -q '\[X\] Gloo' <<<"$check_out"; then
+  echo "$check_out" >&2
+  die "step 'horovodrun --check-build' does not list TensorFlow and Gloo"
+fi
+
+echo "$EXPECTED_STAMP" > "$STAMP"
+log "horovod $HOROVOD_VERSION ready (TensorFlow + Gloo); stamp: $STAMP"

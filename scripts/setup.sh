@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# Create .venv/ at the repo root with Python 3.11, install the pinned stack
+# (requirements.txt, requirements-test.txt, tfgpt itself in editable mode) and
+# build Horovod against it (scripts/build_horovod.sh).
+#
+# Safe to rerun: the pip step is skipped while a stamp in .venv records the
+# sha256 of the requirement files it installed, and the Horovod build is
+# skipped while its stamp matches the installed TensorFlow and hvd.init() works.
+# TFGPT_PYTHON=/path/to/python3.11 overrides the interpreter used for the venv.
+set -euo pipefail
+
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$REPO_ROOT"
+VENV="$REPO_ROOT/.venv"
+PY="$VENV/bin/python"
+REQ_STAMP="$VENV/.tfgpt-requirements.sha256"
+
+log() { echo "[setup] $*"; }
+die() { echo "[setup] ERROR: $*" >&2; exit 1; }
+start=$SECONDS
+
+# --- 1. A Python 3.11 to create the venv with -------------------------------
+is_py311() { "$1" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' >/dev/null 2>&1; }
+find_python() {
+  local candidate
+  for candidate in "${TFGPT_PYTHON:-}" python3.11 python3; do
+    [[ -n "$candidate" ]] || continue
+    if command -v "$candidate" >/dev/null 2>&1 && is_py311 "$candidate"; then
+      command -v "$candidate"
+      return 0
+    fi
+  done
+  return 1
+}
+
+if [[ -x "$PY" ]] && ! is_py311 "$PY"; then
+  log "existing .venv does not run Python 3.11 (moved or broken): recreating it"
+  rm -rf "$VENV"
+fi
+if [[ ! -x "$PY" ]]; then
+  BASE_PY="$(find_python)" \
+    || die "Python 3.11 not found (python3.11, or python3 = $(python3 --version 2>&1 || echo none)): install it with apt-get install python3.11 python3.11-venv python3.11-dev"
+  "$BASE_PY" -c 'import ensurepip, venv' >/dev/null 2>&1 \
+    || die "Python venv/ensurepip module missing for $BASE_PY: apt-get install python3.11-venv"
+else
+  BASE_PY="$PY"
+fi
+
+# --- 2. System tools for the Horovod build, checked before anything long ----
+PYTHON="$BASE_PY" "$REPO_ROOT/scripts/build_horovod.sh" --check-prereqs
+
+# --- 3. The venv ---------------------------------------------------------------
+if [[ ! -x "$PY" ]]; then
+  log "creating .venv with $BASE_PY ($("$BASE_PY" --version 2>&1))"
+  "$BASE_PY" -m venv "$VENV" || die "step 'python -m venv .venv' failed: apt-get install python3.11-venv"
+fi
+
+# --- 4. Python packages ----------------------------------------------------------
+# setup.py and the list of top-level packages are in the stamp too: the
+# editable install maps only the packages that existed when it ran.
+req_digest() {
+  {
+    "$PY" --version 2>&1
+    sha256sum requirements.txt requirements-test.txt
+    if [[ -f setup.py ]]; then sha256sum setup.py; fi
+    compgen -G '*/__init__.py' | sort || true
+  } | sha256sum | cut -d' ' -f1
+}
+want_digest="$(req_digest)"
+if [[ -f "$REQ_STAMP" && "$(cat "$REQ_STAMP")" == "$want_digest" ]]; then
+  log "requirements unchanged since the last install: skipping pip"
+else
+  rm -f "$REQ_STAMP"
+  log "upgrading pip, setuptools, wheel (Horovod builds with --no-build-isolation and needs them)"
+  "$PY" -m pip install --quiet --upgrade pip setuptools wheel \
+    || die "step 'pip install --upgrade pip setuptools wheel' failed (see pip output above)"
+  log "installing requirements.txt and requirements-test.txt (TensorFlow is large: a few minutes on a fresh venv)"
+  "$PY" -m pip install --progress-bar off -r requirements.txt -r requirements-test.txt \
+    || die "step 'pip install -r requirements.txt -r requirements-test.txt' failed (see pip output above)"
+  if [[ -f setup.py ]]; then
+    log "installing tfgpt in editable mode"
+    "$PY" -m pip install --quiet --no-deps -e . \
+      || die "step 'pip install -e . --no-deps' failed (see pip output above)"
+  fi
+  echo "$want_digest" > "$REQ_STAMP"
+  log "python packages installed"
+fi
+
+# --- 5. Horovod -----------------------------------------------------------------
+PYTHON="$PY" "$REPO_ROOT/scripts/build_horovod.sh"
+
+log "done in $((SECONDS - start))s: use .venv/bin/python (or 'make test')"
