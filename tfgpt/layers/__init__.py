@@ -1,7 +1,23 @@
 """Building blocks of the tfgpt models."""
 
 from tfgpt.layers.causal_self_attention import CausalSelfAttention
+from tfgpt.layers.classification_head import ClassificationHead
+from tfgpt.layers.encoder_block import EncoderBlock
+from tfgpt.layers.encoder_embedding import EncoderEmbedding
+from tfgpt.layers.masked_lm_head import MaskedLMHead
+from tfgpt.layers.self_attention import SelfAttention
+from tfgpt.layers.span_head import SpanHead
 from tfgpt.layers.token_and_position_embedding import TokenAndPositionEmbedding
 from tfgpt.layers.transformer_block import TransformerBlock
 
-__all__ = ["CausalSelfAttention", "TokenAndPositionEmbedding", "TransformerBlock"]
+__all__ = [
+    "CausalSelfAttention",
+    "TokenAndPositionEmbedding",
+    "TransformerBlock",
+    "ClassificationHead",
+    "EncoderBlock",
+    "EncoderEmbedding",
+    "MaskedLMHead",
+    "SelfAttention",
+    "SpanHead",
+]

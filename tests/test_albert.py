@@ -1,0 +1,272 @@
+"""ALBERT: NumPy oracles, factorised embeddings, parameter sharing, counts, saving, errors."""
+
+import dataclasses
+import inspect
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests import numpy_encoder as ref
+from tfgpt import ALBERT_PRESETS, Albert, AlbertBackbone, AlbertConfig, SpanQuestionAnswerer
+
+# Distinct sizes: E (8) != H (12), and num_layers (4) != num_groups (2) != batch.
+BATCH, LENGTH, HIDDEN, EMBEDDING, HEADS, INTERMEDIATE, VOCAB, LAYERS = 3, 7, 12, 8, 3, 20, 37, 4
+
+
+def tiny_config(**overrides):
+    config = dict(
+        vocabulary_size=VOCAB,
+        num_layers=LAYERS,
+        num_heads=HEADS,
+        hidden_dim=HIDDEN,
+        intermediate_dim=INTERMEDIATE,
+        embedding_dim=EMBEDDING,
+        max_sequence_length=16,
+    )
+    config.update(overrides)
+    return config
+
+
+def tiny_inputs(seed=0, length=LENGTH):
+    rng = np.random.default_rng(seed)
+    token_ids = rng.integers(0, VOCAB, (BATCH, length)).astype("int32")
+    segment_ids = (np.arange(length)[None, :] >= np.array([[3], [4], [length]])).astype("int32")
+    padding_mask = (np.arange(length)[None, :] < np.array([[length], [length - 2], [4]])).astype(
+        "int32"
+    )
+    return {"token_ids": token_ids, "segment_ids": segment_ids, "padding_mask": padding_mask}
+
+
+# ---- Oracles ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"num_groups": 2}, {"num_groups": 4, "norm_first": True}, {"activation": "gelu"}],
+    ids=["shared", "two-groups", "unshared-pre-ln", "gelu"],
+)
+def test_albert_matches_numpy_reference(overrides):
+    model = Albert(**tiny_config(**overrides))
+    ref.randomize(model, seed=1)
+    inputs = tiny_inputs()
+    outputs = model(inputs)
+    sequence, pooled = ref.albert_backbone(
+        inputs["token_ids"], inputs["segment_ids"], inputs["padding_mask"], model.backbone
+    )
+    table = model.backbone.token_embedding.numpy()
+    np.testing.assert_allclose(outputs["sequence_output"].numpy(), sequence, atol=1e-4)
+    np.testing.assert_allclose(outputs["pooled_output"].numpy(), pooled, atol=1e-4)
+    np.testing.assert_allclose(
+        outputs["mlm_logits"].numpy(), ref.masked_lm(sequence, model.masked_lm_head, table), atol=1e-3
+    )
+    np.testing.assert_allclose(
+        outputs["sop_logits"].numpy(), ref.classifier(pooled, model.sentence_order_head), atol=1e-4
+    )
+
+
+def test_embeddings_have_width_e_and_are_projected_to_h():
+    model = Albert(**tiny_config())
+    assert tuple(model.backbone.token_embedding.shape) == (VOCAB, EMBEDDING)
+    assert tuple(model.backbone.embedding_projection.kernel.shape) == (EMBEDDING, HIDDEN)
+    # The masked LM transforms back to E to reuse the E-wide embedding.
+    assert tuple(model.masked_lm_head.transform.kernel.shape) == (HIDDEN, EMBEDDING)
+    outputs = model({**tiny_inputs(), "mask_positions": np.zeros((BATCH, 2), "int32")})
+    assert outputs["mlm_logits"].shape == (BATCH, 2, VOCAB)
+
+
+def test_one_group_shares_every_parameter_across_layers():
+    shallow = AlbertBackbone(**tiny_config(num_layers=2))
+    deep = AlbertBackbone(**tiny_config(num_layers=6))
+    assert shallow.count_params() == deep.count_params()
+    assert len(deep.blocks) == 1
+    assert {id(deep.block_for_layer(index)) for index in range(6)} == {id(deep.blocks[0])}
+    # Depth is real: the same weights applied 6 times differ from 2 times.
+    deep.set_weights(shallow.get_weights())
+    inputs = tiny_inputs()
+    assert np.abs(
+        deep(inputs)["sequence_output"].numpy() - shallow(inputs)["sequence_output"].numpy()
+    ).max() > 1e-3
+
+
+def test_groups_cover_consecutive_layers():
+    backbone = AlbertBackbone(**tiny_config(num_layers=6, num_groups=3))
+    assert [backbone.blocks.index(backbone.block_for_layer(i)) for i in range(6)] == [
+        0, 0, 1, 1, 2, 2,
+    ]
+    one_block = AlbertBackbone(**tiny_config(num_layers=6, num_groups=1)).blocks[0].count_params()
+    assert backbone.count_params() == AlbertBackbone(**tiny_config()).count_params() + 2 * one_block
+
+
+def test_padding_tokens_do_not_change_real_positions():
+    model = AlbertBackbone(**tiny_config())
+    ref.randomize(model, seed=2)
+    inputs = tiny_inputs()
+    changed = {key: value.copy() for key, value in inputs.items()}
+    changed["token_ids"][2, 4:] = (changed["token_ids"][2, 4:] + 3) % VOCAB
+    before = model(inputs)["sequence_output"].numpy()
+    after = model(changed)["sequence_output"].numpy()
+    np.testing.assert_allclose(after[2, :4], before[2, :4], atol=1e-6)
+    np.testing.assert_array_equal(after[:2], before[:2])
+
+
+def test_span_question_answerer_on_albert():
+    model = SpanQuestionAnswerer(AlbertBackbone(**tiny_config()))
+    outputs = model(tiny_inputs())
+    assert outputs["start_logits"].shape == (BATCH, LENGTH)
+    assert outputs["end_logits"].dtype == tf.float32
+
+
+# ---- Published parameter counts -----------------------------------------
+
+
+def albert_parameter_count(config):
+    """ALBERT's parameters from its architecture (Lan et al. 2020, Section 3.1).
+
+    Embeddings (V + P + S) * E with their layer norm 2E; the projection
+    E*H + H; per shared group the attention 4(H^2 + H), two layer norms 4H
+    and the feed-forward H*I + I + I*H + H; the pooler H^2 + H. The layer
+    count L does not appear: layers share the groups' parameters.
+    """
+    V, E, H = config.vocabulary_size, config.embedding_dim, config.hidden_dim
+    I, P, S, G = config.intermediate_dim, config.max_sequence_length, config.num_segments, config.num_groups
+    embeddings = (V + P + S) * E + 2 * E
+    group = 4 * (H * H + H) + 4 * H + (H * I + I) + (I * H + H)
+    return embeddings + (E * H + H) + G * group + (H * H + H)
+
+
+# Backbones (with pooler) for the 30000-id SentencePiece vocabulary, equal to
+# transformers' AlbertModel of the same shapes. The paper rounds them to 12M,
+# 18M, 60M and 235M; the last is the paper's own figure, 12.4M above what the
+# architecture it describes (and the released checkpoint) holds.
+ALBERT_PARAMETERS = {
+    "albert-base": 11_683_584,
+    "albert-large": 17_683_968,
+    "albert-xlarge": 58_724_864,
+    "albert-xxlarge": 222_595_584,
+}
+# Albert adds the masked-LM transform H*E + E, its layer norm 2E, the output
+# bias V and the sentence-order classifier 2H + 2.
+ALBERT_PRETRAINING_PARAMETERS = {
+    "albert-base": 11_813_810,
+    "albert-large": 17_847_474,
+    "albert-xlarge": 59_021_490,
+    "albert-xxlarge": 223_158_450,
+}
+
+
+@pytest.mark.parametrize(
+    "preset",
+    [
+        "albert-base",
+        "albert-large",
+        pytest.param("albert-xlarge", marks=pytest.mark.slow),
+        pytest.param("albert-xxlarge", marks=pytest.mark.slow),
+    ],
+)
+def test_albert_parameter_counts(preset):
+    config = AlbertConfig.from_preset(preset)
+    assert albert_parameter_count(config) == ALBERT_PARAMETERS[preset]
+    model = Albert(**dataclasses.asdict(config))
+    assert model.backbone.count_params() == ALBERT_PARAMETERS[preset]
+    assert model.count_params() == ALBERT_PRETRAINING_PARAMETERS[preset]
+
+
+@pytest.mark.parametrize("preset", sorted(ALBERT_PARAMETERS))
+def test_albert_parameter_counts_equal_transformers(preset):
+    # Fails (not skips) without torch/transformers: they are test requirements.
+    import torch
+    import transformers
+
+    config = AlbertConfig.from_preset(preset)
+    hf_config = transformers.AlbertConfig(
+        vocab_size=config.vocabulary_size,
+        embedding_size=config.embedding_dim,
+        hidden_size=config.hidden_dim,
+        num_hidden_layers=config.num_layers,
+        num_hidden_groups=config.num_groups,
+        num_attention_heads=config.num_heads,
+        intermediate_size=config.intermediate_dim,
+        max_position_embeddings=config.max_sequence_length,
+        type_vocab_size=config.num_segments,
+    )
+    with torch.device("meta"):  # Shapes only: nothing is allocated.
+        backbone = transformers.AlbertModel(hf_config)
+        pretraining = transformers.AlbertForPreTraining(hf_config)
+    assert sum(p.numel() for p in backbone.parameters()) == ALBERT_PARAMETERS[preset]
+    assert (
+        sum(p.numel() for p in pretraining.parameters()) == ALBERT_PRETRAINING_PARAMETERS[preset]
+    )
+
+
+# ---- Configuration and saving -------------------------------------------
+
+
+@pytest.mark.parametrize("cls", [Albert, AlbertBackbone])
+def test_get_config_has_every_init_argument_and_round_trips(cls):
+    model = cls(
+        **tiny_config(dropout=0.1, activation="relu", norm_first=True, num_groups=2, num_segments=3)
+    )
+    config = model.get_config()
+    arguments = [
+        name for name in inspect.signature(cls.__init__).parameters if name not in ("self", "kwargs")
+    ]
+    assert set(arguments) <= set(config)
+    assert set(arguments) == {field.name for field in dataclasses.fields(AlbertConfig)}
+    clone = cls.from_config(config)
+    assert clone.get_config() == config
+
+
+def test_presets_have_every_field():
+    fields = {field.name for field in dataclasses.fields(AlbertConfig)}
+    for name, preset in ALBERT_PRESETS.items():
+        assert set(preset) == fields, name
+    assert Albert.from_preset("albert-demo", num_layers=2).backbone.num_layers == 2
+
+
+@pytest.mark.parametrize("overrides", [{}, {"num_groups": 2, "norm_first": True}])
+def test_keras_file_round_trip_gives_identical_outputs(tmp_path, overrides):
+    model = Albert(**tiny_config(**overrides))
+    ref.randomize(model, seed=3)
+    inputs = {**tiny_inputs(), "mask_positions": np.array([[1, 2], [0, 4], [3, 3]], "int32")}
+    path = tmp_path / "albert.keras"
+    model.save(path)
+    restored = keras.models.load_model(path)
+    assert isinstance(restored, Albert)
+    expected, actual = model(inputs), restored(inputs)
+    for key in expected:
+        np.testing.assert_array_equal(actual[key].numpy(), expected[key].numpy())
+
+
+def test_mixed_precision_keeps_float32_variables_and_logits():
+    model = Albert(**tiny_config(), dtype="mixed_float16")
+    outputs = model(tiny_inputs())
+    assert outputs["mlm_logits"].dtype == tf.float32
+    assert outputs["sop_logits"].dtype == tf.float32
+    assert {v.dtype for v in model.weights} == {"float32"}
+
+
+# ---- Bad input ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"num_layers": 4, "num_groups": 3}, r"divisible.*num_layers=4, num_groups=3"),
+        ({"num_groups": 0}, r"num_groups=0"),
+        ({"embedding_dim": 0}, r"embedding_dim=0"),
+        ({"hidden_dim": 10, "num_heads": 4}, r"hidden_dim=10, num_heads=4"),
+        ({"activation": "gelu_new"}, r"activation='gelu_new'"),
+    ],
+)
+def test_bad_config_raises(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        Albert(**tiny_config(**overrides))
+    with pytest.raises(ValueError, match=message):
+        AlbertConfig(**{**dataclasses.asdict(AlbertConfig()), **overrides})
+
+
+def test_unknown_preset_raises():
+    with pytest.raises(ValueError, match=r"preset='albert-small'"):
+        AlbertConfig.from_preset("albert-small")

@@ -1,0 +1,371 @@
+"""BERT: NumPy oracles, padding, heads, parameter counts, saving, errors."""
+
+import dataclasses
+import inspect
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests import numpy_encoder as ref
+from tfgpt import BERT_PRESETS, Bert, BertBackbone, BertConfig, SequenceClassifier
+from tfgpt import SpanQuestionAnswerer
+from tfgpt.layers import ClassificationHead, EncoderBlock, SelfAttention
+
+# Distinct sizes so that no two dimensions can be confused for each other.
+BATCH, LENGTH, HIDDEN, HEADS, INTERMEDIATE, VOCAB, LAYERS, MAX_LENGTH = 2, 7, 12, 3, 20, 37, 3, 16
+
+
+def tiny_config(**overrides):
+    config = dict(
+        vocabulary_size=VOCAB,
+        num_layers=LAYERS,
+        num_heads=HEADS,
+        hidden_dim=HIDDEN,
+        intermediate_dim=INTERMEDIATE,
+        max_sequence_length=MAX_LENGTH,
+        dropout=0.0,
+    )
+    config.update(overrides)
+    return config
+
+
+def tiny_inputs(seed=0, length=LENGTH):
+    rng = np.random.default_rng(seed)
+    token_ids = rng.integers(0, VOCAB, (BATCH, length)).astype("int32")
+    # A sentence pair in row 0, a single padded sentence in row 1.
+    segment_ids = np.zeros((BATCH, length), "int32")
+    segment_ids[0, length // 2 :] = 1
+    padding_mask = np.ones((BATCH, length), "int32")
+    padding_mask[1, length - 2 :] = 0
+    return {"token_ids": token_ids, "segment_ids": segment_ids, "padding_mask": padding_mask}
+
+
+# ---- Oracles ------------------------------------------------------------
+
+
+def test_self_attention_matches_numpy_reference_with_padding():
+    layer = SelfAttention(hidden_dim=HIDDEN, num_heads=HEADS)
+    x = np.random.default_rng(1).normal(size=(BATCH, LENGTH, HIDDEN)).astype("float32")
+    mask = tiny_inputs()["padding_mask"]
+    layer(x)
+    ref.randomize(layer, seed=2)
+    np.testing.assert_allclose(
+        layer(x, padding_mask=mask).numpy(), ref.attention(x, layer, mask), atol=1e-5
+    )
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu"])
+def test_encoder_block_matches_numpy_reference(norm_first, activation):
+    block = EncoderBlock(
+        HIDDEN, HEADS, INTERMEDIATE, activation=activation, norm_first=norm_first
+    )
+    x = np.random.default_rng(3).normal(size=(BATCH, LENGTH, HIDDEN)).astype("float32")
+    mask = tiny_inputs()["padding_mask"]
+    block(x)
+    ref.randomize(block, seed=4)
+    np.testing.assert_allclose(
+        block(x, padding_mask=mask).numpy(), ref.block(x, block, mask), atol=1e-4
+    )
+
+
+@pytest.mark.parametrize("norm_first", [False, True], ids=["post-ln", "pre-ln"])
+def test_bert_matches_numpy_reference(norm_first):
+    model = Bert(**tiny_config(norm_first=norm_first))
+    ref.randomize(model, seed=5)
+    inputs = tiny_inputs()
+    outputs = model(inputs)
+    sequence, pooled = ref.bert_backbone(
+        inputs["token_ids"], inputs["segment_ids"], inputs["padding_mask"], model.backbone
+    )
+    table = model.backbone.token_embedding.numpy()
+    np.testing.assert_allclose(outputs["sequence_output"].numpy(), sequence, atol=1e-4)
+    np.testing.assert_allclose(outputs["pooled_output"].numpy(), pooled, atol=1e-4)
+    np.testing.assert_allclose(
+        outputs["mlm_logits"].numpy(),
+        ref.masked_lm(sequence, model.masked_lm_head, table),
+        atol=1e-3,
+    )
+    np.testing.assert_allclose(
+        outputs["nsp_logits"].numpy(),
+        ref.classifier(pooled, model.next_sentence_head),
+        atol=1e-4,
+    )
+
+
+def test_mask_positions_select_rows_of_the_full_logits():
+    model = Bert(**tiny_config())
+    inputs = tiny_inputs()
+    full = model(inputs)["mlm_logits"].numpy()  # (B, T, V)
+    positions = np.array([[1, 4, 0], [2, 2, 3]], "int32")  # (B, P), P=3 != T
+    selected = model({**inputs, "mask_positions": positions})["mlm_logits"].numpy()
+    assert selected.shape == (BATCH, 3, VOCAB)
+    np.testing.assert_allclose(selected, np.take_along_axis(full, positions[..., None], 1), atol=1e-5)
+
+
+def test_masked_lm_output_is_tied_to_the_token_embedding():
+    model = Bert(**tiny_config())
+    names = [weight.path for weight in model.weights]
+    assert sum("token_embedding" in name for name in names) == 1
+    assert not any(
+        tuple(weight.shape) == (HIDDEN, VOCAB) for weight in model.masked_lm_head.weights
+    )
+
+
+def test_padding_tokens_do_not_change_real_positions():
+    model = BertBackbone(**tiny_config())
+    ref.randomize(model, seed=6)
+    inputs = tiny_inputs()
+    changed = {key: value.copy() for key, value in inputs.items()}
+    changed["token_ids"][1, -2:] = (changed["token_ids"][1, -2:] + 5) % VOCAB
+    before = model(inputs)["sequence_output"].numpy()
+    after = model(changed)["sequence_output"].numpy()
+    np.testing.assert_allclose(after[1, :-2], before[1, :-2], atol=1e-6)
+    np.testing.assert_array_equal(after[0], before[0])
+    # Without the mask the same change is visible everywhere.
+    unmasked = {key: value for key, value in changed.items() if key != "padding_mask"}
+    assert np.abs(model(unmasked)["sequence_output"].numpy()[1, 0] - before[1, 0]).max() > 1e-3
+
+
+def test_bare_token_ids_mean_one_segment_and_no_padding():
+    model = BertBackbone(**tiny_config())
+    ref.randomize(model, seed=7)
+    token_ids = tiny_inputs()["token_ids"]
+    explicit = {
+        "token_ids": token_ids,
+        "segment_ids": np.zeros_like(token_ids),
+        "padding_mask": np.ones_like(token_ids),
+    }
+    np.testing.assert_allclose(
+        model(token_ids)["sequence_output"].numpy(),
+        model(explicit)["sequence_output"].numpy(),
+        atol=1e-6,
+    )
+
+
+def test_segments_change_the_output():
+    model = BertBackbone(**tiny_config())
+    inputs = tiny_inputs()
+    swapped = {**inputs, "segment_ids": 1 - inputs["segment_ids"]}
+    assert np.abs(
+        model(inputs)["sequence_output"].numpy() - model(swapped)["sequence_output"].numpy()
+    ).max() > 1e-4
+
+
+def test_dropout_is_active_only_in_training():
+    model = Bert(**tiny_config(dropout=0.3))
+    inputs = tiny_inputs()
+    np.testing.assert_array_equal(
+        model(inputs)["mlm_logits"].numpy(), model(inputs)["mlm_logits"].numpy()
+    )
+    assert not np.allclose(
+        model(inputs, training=True)["mlm_logits"].numpy(), model(inputs)["mlm_logits"].numpy()
+    )
+
+
+def test_task_models_match_their_heads_on_the_backbone():
+    backbone = BertBackbone(**tiny_config())
+    ref.randomize(backbone, seed=8)
+    inputs = tiny_inputs()
+    sequence, pooled = ref.bert_backbone(
+        inputs["token_ids"], inputs["segment_ids"], inputs["padding_mask"], backbone
+    )
+    classifier = SequenceClassifier(backbone, num_classes=5)
+    ref.randomize(classifier.classification_head, seed=9)
+    np.testing.assert_allclose(
+        classifier(inputs).numpy(),
+        ref.classifier(pooled, classifier.classification_head),
+        atol=1e-4,
+    )
+    answerer = SpanQuestionAnswerer(backbone)
+    ref.randomize(answerer.span_head, seed=10)
+    span = ref.dense(sequence, answerer.span_head.span_logits)  # (B, T, 2)
+    outputs = answerer(inputs)
+    np.testing.assert_allclose(outputs["start_logits"].numpy(), span[..., 0], atol=1e-4)
+    np.testing.assert_allclose(outputs["end_logits"].numpy(), span[..., 1], atol=1e-4)
+
+
+def test_compiled_function_with_unknown_length_matches_eager():
+    model = Bert(**tiny_config())
+    inputs = tiny_inputs()
+    signature = {
+        key: tf.TensorSpec((None, None), tf.int32) for key in ("token_ids", "segment_ids", "padding_mask")
+    }
+    compiled = tf.function(lambda x: model(x)["mlm_logits"], input_signature=[signature])
+    np.testing.assert_allclose(
+        compiled(inputs).numpy(), model(inputs)["mlm_logits"].numpy(), atol=1e-5
+    )
+
+
+# ---- Published parameter counts -----------------------------------------
+
+
+def bert_parameter_count(config):
+    """BERT's parameters from its architecture (Devlin et al. 2019, Section 3).
+
+    Embeddings V*H + P*H + S*H and their layer norm 2H; per layer the four
+    H x H attention projections with biases 4(H^2 + H), two layer norms 4H,
+    the feed-forward H*I + I + I*H + H; the pooler H^2 + H.
+    """
+    V, H, I = config.vocabulary_size, config.hidden_dim, config.intermediate_dim
+    P, S, L = config.max_sequence_length, config.num_segments, config.num_layers
+    embeddings = (V + P + S) * H + 2 * H
+    layer = 4 * (H * H + H) + 4 * H + (H * I + I) + (I * H + H)
+    return embeddings + L * layer + (H * H + H)
+
+
+# transformers' BertModel (with pooler) of the same shapes counts the same.
+BERT_PARAMETERS = {"bert-base": 109_482_240, "bert-large": 335_141_888}
+# Bert adds the masked-LM transform (H^2 + H), its layer norm (2H), the
+# output bias (V) and the next-sentence classifier (2H + 2).
+BERT_PRETRAINING_PARAMETERS = {"bert-base": 110_106_428, "bert-large": 336_226_108}
+
+
+@pytest.mark.parametrize(
+    "preset", ["bert-base", pytest.param("bert-large", marks=pytest.mark.slow)]
+)
+def test_bert_parameter_counts(preset):
+    config = BertConfig.from_preset(preset)
+    assert bert_parameter_count(config) == BERT_PARAMETERS[preset]
+    model = Bert(**dataclasses.asdict(config))
+    assert model.backbone.count_params() == BERT_PARAMETERS[preset]
+    assert model.count_params() == BERT_PRETRAINING_PARAMETERS[preset]
+
+
+@pytest.mark.parametrize("preset", ["bert-base", "bert-large"])
+def test_bert_parameter_counts_equal_transformers(preset):
+    # Fails (not skips) without torch/transformers: they are test requirements.
+    import torch
+    import transformers
+
+    config = BertConfig.from_preset(preset)
+    hf_config = transformers.BertConfig(
+        vocab_size=config.vocabulary_size,
+        hidden_size=config.hidden_dim,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads,
+        intermediate_size=config.intermediate_dim,
+        max_position_embeddings=config.max_sequence_length,
+        type_vocab_size=config.num_segments,
+    )
+    with torch.device("meta"):  # Shapes only: nothing is allocated.
+        backbone = transformers.BertModel(hf_config)
+        pretraining = transformers.BertForPreTraining(hf_config)
+    assert sum(p.numel() for p in backbone.parameters()) == BERT_PARAMETERS[preset]
+    assert sum(p.numel() for p in pretraining.parameters()) == BERT_PRETRAINING_PARAMETERS[preset]
+
+
+# ---- Configuration and saving -------------------------------------------
+
+
+@pytest.mark.parametrize("cls", [Bert, BertBackbone])
+def test_get_config_has_every_init_argument_and_round_trips(cls):
+    model = cls(**tiny_config(dropout=0.1, activation="relu", norm_first=True, num_segments=3))
+    config = model.get_config()
+    arguments = [
+        name for name in inspect.signature(cls.__init__).parameters if name not in ("self", "kwargs")
+    ]
+    assert set(arguments) <= set(config)
+    assert set(arguments) == {field.name for field in dataclasses.fields(BertConfig)}
+    clone = cls.from_config(config)
+    assert clone.get_config() == config
+
+
+def test_presets_build_from_the_config_dataclass():
+    model = Bert.from_preset("bert-demo", num_layers=2)
+    assert model.backbone.num_layers == 2
+    assert {field.name for field in dataclasses.fields(BertConfig)} == set(BERT_PRESETS["bert-base"])
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_keras_file_round_trip_gives_identical_outputs(tmp_path, norm_first):
+    model = Bert(**tiny_config(norm_first=norm_first, activation="gelu_tanh"))
+    ref.randomize(model, seed=11)
+    inputs = {**tiny_inputs(), "mask_positions": np.array([[1, 2], [0, 4]], "int32")}
+    path = tmp_path / "bert.keras"
+    model.save(path)
+    restored = keras.models.load_model(path)
+    assert isinstance(restored, Bert)
+    expected, actual = model(inputs), restored(inputs)
+    for key in expected:
+        np.testing.assert_array_equal(actual[key].numpy(), expected[key].numpy())
+
+
+@pytest.mark.parametrize("task", ["classification", "question_answering"])
+def test_task_model_keras_file_round_trip(tmp_path, task):
+    backbone = BertBackbone(**tiny_config())
+    if task == "classification":
+        model = SequenceClassifier(backbone, num_classes=3, dropout=0.2)
+    else:
+        model = SpanQuestionAnswerer(backbone)
+    ref.randomize(model, seed=12)
+    inputs = tiny_inputs()
+    path = tmp_path / "task.keras"
+    model.save(path)
+    restored = keras.models.load_model(path)
+    assert type(restored) is type(model)
+    assert isinstance(restored.backbone, BertBackbone)
+    np.testing.assert_array_equal(
+        keras.tree.flatten(restored(inputs))[0].numpy(), keras.tree.flatten(model(inputs))[0].numpy()
+    )
+
+
+def test_mixed_precision_keeps_float32_variables_and_logits():
+    model = Bert(**tiny_config(), dtype="mixed_bfloat16")
+    outputs = model(tiny_inputs())
+    assert outputs["mlm_logits"].dtype == tf.float32
+    assert outputs["nsp_logits"].dtype == tf.float32
+    assert {v.dtype for v in model.weights} == {"float32"}
+
+
+# ---- Bad input ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"hidden_dim": 10, "num_heads": 4}, r"divisible.*hidden_dim=10, num_heads=4"),
+        ({"num_layers": 0}, r"num_layers=0"),
+        ({"num_segments": 0}, r"num_segments=0"),
+        ({"vocabulary_size": 2.5}, r"vocabulary_size=2.5"),
+        ({"dropout": -0.1}, r"dropout=-0.1"),
+        ({"activation": "swish"}, r"activation='swish'"),
+        ({"norm_first": 1}, r"norm_first=1"),
+        ({"layer_norm_epsilon": 0}, r"layer_norm_epsilon=0"),
+    ],
+)
+def test_bad_config_raises(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        Bert(**tiny_config(**overrides))
+    with pytest.raises(ValueError, match=message):
+        BertConfig(**{**dataclasses.asdict(BertConfig()), **overrides})
+
+
+def test_unknown_preset_and_field_raise():
+    with pytest.raises(ValueError, match=r"preset='bert-huge'"):
+        BertConfig.from_preset("bert-huge")
+    with pytest.raises(ValueError, match=r"embedding_dim"):
+        BertConfig.from_preset("bert-base", embedding_dim=128)
+
+
+def test_unknown_input_key_raises():
+    model = Bert(**tiny_config())
+    with pytest.raises(ValueError, match=r"input_ids"):
+        model({"input_ids": tiny_inputs()["token_ids"]})
+    with pytest.raises(ValueError, match=r"mask_positions"):
+        model.backbone({**tiny_inputs(), "mask_positions": np.zeros((BATCH, 1), "int32")})
+
+
+def test_sequence_longer_than_position_table_raises():
+    model = BertBackbone(**tiny_config(max_sequence_length=6))
+    with pytest.raises(ValueError, match=r"sequence_length=7.*max_sequence_length=6"):
+        model(tiny_inputs(length=7))
+
+
+def test_task_model_needs_an_encoder_backbone():
+    with pytest.raises(ValueError, match=r"BertBackbone or an AlbertBackbone.*type Bert"):
+        SequenceClassifier(Bert(**tiny_config()), num_classes=2)
+    with pytest.raises(ValueError, match=r"num_classes=1"):
+        ClassificationHead(num_classes=1)

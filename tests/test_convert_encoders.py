@@ -1,0 +1,288 @@
+"""Converted transformers BERT/ALBERT checkpoints reproduce the reference outputs.
+
+Oracle: a randomly initialised transformers model (PyTorch, CPU), saved to
+tmp_path with `save_pretrained`, loaded by tfgpt.convert_encoders. The
+tolerance is on the maximum absolute difference over every element, in
+float32: 1e-4 for hidden states, pooled outputs and logits (measured: below
+2e-6 at these sizes).
+
+torch and transformers are test requirements (requirements-test.txt): the
+module fails, not skips, without them.
+"""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from tfgpt import Albert, AlbertBackbone, Bert, BertBackbone, SequenceClassifier
+from tfgpt import SpanQuestionAnswerer
+from tfgpt.convert_encoders import load_hf_encoder, load_hf_weights, read_safetensors
+
+ATOL = 1e-4
+VOCAB, HIDDEN, HEADS, INTERMEDIATE, MAX_LENGTH = 37, 12, 3, 20, 16
+
+
+def bert_config(**overrides):
+    return transformers.BertConfig(
+        **{
+            "vocab_size": VOCAB,
+            "hidden_size": HIDDEN,
+            "num_hidden_layers": 3,
+            "num_attention_heads": HEADS,
+            "intermediate_size": INTERMEDIATE,
+            "max_position_embeddings": MAX_LENGTH,
+            "type_vocab_size": 2,
+            **overrides,
+        }
+    )
+
+
+def albert_config(**overrides):
+    return transformers.AlbertConfig(
+        **{
+            "vocab_size": VOCAB,
+            "embedding_size": 8,
+            "hidden_size": HIDDEN,
+            "num_hidden_layers": 4,
+            "num_attention_heads": HEADS,
+            "intermediate_size": INTERMEDIATE,
+            "max_position_embeddings": MAX_LENGTH,
+            "type_vocab_size": 2,
+            **overrides,
+        }
+    )
+
+
+def save_random(model_class, config, directory, seed=0):
+    """Saves a transformers model whose every weight (norms, biases too) is random."""
+    torch.manual_seed(seed)
+    model = model_class(config)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.2)
+    model.eval()
+    model.save_pretrained(directory)
+    return model
+
+
+def example_inputs(batch=2, length=7):
+    rng = np.random.default_rng(1)
+    token_ids = rng.integers(0, VOCAB, (batch, length))
+    segment_ids = np.zeros((batch, length), np.int64)
+    segment_ids[0, 3:] = 1
+    padding_mask = np.ones((batch, length), np.int64)
+    padding_mask[1, 5:] = 0
+    tfgpt_inputs = {
+        "token_ids": token_ids.astype("int32"),
+        "segment_ids": segment_ids.astype("int32"),
+        "padding_mask": padding_mask.astype("int32"),
+    }
+    hf_inputs = {
+        "input_ids": torch.tensor(token_ids),
+        "token_type_ids": torch.tensor(segment_ids),
+        "attention_mask": torch.tensor(padding_mask),
+    }
+    return tfgpt_inputs, hf_inputs
+
+
+def max_abs(a, b):
+    return float(np.abs(np.asarray(a) - b.detach().numpy()).max())
+
+
+# ---- Oracles ------------------------------------------------------------
+
+
+def test_bert_for_pretraining_matches_transformers(tmp_path):
+    reference = save_random(transformers.BertForPreTraining, bert_config(), tmp_path)
+    model = load_hf_encoder(tmp_path, family="bert")
+    assert isinstance(model, Bert)
+    inputs, hf_inputs = example_inputs()
+    outputs = model({**inputs})
+    with torch.no_grad():
+        expected = reference(**hf_inputs, output_hidden_states=True)
+        pooled = reference.bert(**hf_inputs).pooler_output
+    assert max_abs(outputs["sequence_output"], expected.hidden_states[-1]) < ATOL
+    assert max_abs(outputs["pooled_output"], pooled) < ATOL
+    assert max_abs(outputs["mlm_logits"], expected.prediction_logits) < ATOL
+    assert max_abs(outputs["nsp_logits"], expected.seq_relationship_logits) < ATOL
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"num_hidden_groups": 2, "hidden_act": "gelu"}],
+    ids=["one-group", "two-groups-gelu"],
+)
+def test_albert_for_pretraining_matches_transformers(tmp_path, overrides):
+    reference = save_random(transformers.AlbertForPreTraining, albert_config(**overrides), tmp_path)
+    model = load_hf_encoder(tmp_path, family="albert")
+    assert isinstance(model, Albert)
+    assert model.backbone.num_groups == overrides.get("num_hidden_groups", 1)
+    inputs, hf_inputs = example_inputs()
+    outputs = model(inputs)
+    with torch.no_grad():
+        expected = reference(**hf_inputs, output_hidden_states=True)
+        pooled = reference.albert(**hf_inputs).pooler_output
+    assert max_abs(outputs["sequence_output"], expected.hidden_states[-1]) < ATOL
+    assert max_abs(outputs["pooled_output"], pooled) < ATOL
+    assert max_abs(outputs["mlm_logits"], expected.prediction_logits) < ATOL
+    assert max_abs(outputs["sop_logits"], expected.sop_logits) < ATOL
+
+
+@pytest.mark.parametrize("family", ["bert", "albert"])
+def test_backbone_alone_from_a_base_model_checkpoint(tmp_path, family):
+    # BertModel/AlbertModel checkpoints have no "bert."/"albert." prefix.
+    if family == "bert":
+        reference = save_random(transformers.BertModel, bert_config(), tmp_path)
+    else:
+        reference = save_random(transformers.AlbertModel, albert_config(), tmp_path)
+    model = load_hf_encoder(tmp_path, head=None)
+    assert isinstance(model, BertBackbone if family == "bert" else AlbertBackbone)
+    inputs, hf_inputs = example_inputs()
+    with torch.no_grad():
+        expected = reference(**hf_inputs)
+    outputs = model(inputs)
+    assert max_abs(outputs["sequence_output"], expected.last_hidden_state) < ATOL
+    assert max_abs(outputs["pooled_output"], expected.pooler_output) < ATOL
+
+
+@pytest.mark.parametrize("family", ["bert", "albert"])
+def test_fine_tuned_checkpoints_match_transformers(tmp_path, family):
+    make_config = bert_config if family == "bert" else albert_config
+    prefix = "Bert" if family == "bert" else "Albert"
+    classifier_reference = save_random(
+        getattr(transformers, f"{prefix}ForSequenceClassification"),
+        make_config(num_labels=3),
+        tmp_path / "cls",
+    )
+    # *ForQuestionAnswering has no pooler and a 2-wide qa_outputs layer.
+    qa_reference = save_random(
+        getattr(transformers, f"{prefix}ForQuestionAnswering"),
+        make_config(num_labels=2),
+        tmp_path / "qa",
+    )
+    classifier = load_hf_encoder(tmp_path / "cls", head="classification")
+    answerer = load_hf_encoder(tmp_path / "qa", head="question_answering")
+    assert isinstance(classifier, SequenceClassifier) and classifier.num_classes == 3
+    assert isinstance(answerer, SpanQuestionAnswerer)
+    inputs, hf_inputs = example_inputs()
+    with torch.no_grad():
+        expected_logits = classifier_reference(**hf_inputs).logits
+        expected_spans = qa_reference(**hf_inputs)
+    assert max_abs(classifier(inputs), expected_logits) < ATOL
+    spans = answerer(inputs)
+    assert max_abs(spans["start_logits"], expected_spans.start_logits) < ATOL
+    assert max_abs(spans["end_logits"], expected_spans.end_logits) < ATOL
+
+
+def test_load_hf_weights_into_an_existing_model(tmp_path):
+    save_random(transformers.BertForPreTraining, bert_config(), tmp_path)
+    loaded = load_hf_encoder(tmp_path)
+    model = Bert(
+        vocabulary_size=VOCAB,
+        num_layers=3,
+        num_heads=HEADS,
+        hidden_dim=HIDDEN,
+        intermediate_dim=INTERMEDIATE,
+        max_sequence_length=MAX_LENGTH,
+    )
+    load_hf_weights(model, tmp_path)
+    for mine, theirs in zip(model.weights, loaded.weights):
+        np.testing.assert_array_equal(mine.numpy(), theirs.numpy())
+
+
+def test_read_safetensors_matches_the_safetensors_package(tmp_path):
+    from safetensors.numpy import load_file
+    from safetensors.torch import save_file
+
+    tensors = {
+        "float32": torch.randn(3, 4),
+        "float16": torch.randn(5).half(),
+        "bfloat16": torch.randn(2, 3).bfloat16(),
+        "int64": torch.arange(6).reshape(2, 3),
+    }
+    save_file(tensors, tmp_path / "t.safetensors")
+    read = read_safetensors(tmp_path / "t.safetensors")
+    reference = load_file(tmp_path / "t.safetensors")
+    for name in ("float32", "float16", "int64"):
+        np.testing.assert_array_equal(read[name], reference[name])
+    np.testing.assert_array_equal(read["bfloat16"], tensors["bfloat16"].float().numpy())
+
+
+# ---- Bad checkpoints ----------------------------------------------------
+
+
+def test_checkpoint_of_the_other_family_raises(tmp_path):
+    save_random(transformers.AlbertForPreTraining, albert_config(), tmp_path)
+    with pytest.raises(ValueError, match=r"expected a bert checkpoint.*model_type='albert'"):
+        load_hf_encoder(tmp_path, family="bert")
+    bert = Bert(
+        vocabulary_size=VOCAB,
+        num_layers=3,
+        num_heads=HEADS,
+        hidden_dim=HIDDEN,
+        intermediate_dim=INTERMEDIATE,
+        max_sequence_length=MAX_LENGTH,
+    )
+    with pytest.raises(ValueError, match=r"model is a Bert.*model_type='albert'"):
+        load_hf_weights(bert, tmp_path)
+
+
+def test_checkpoint_of_another_shape_raises(tmp_path):
+    save_random(transformers.BertForPreTraining, bert_config(), tmp_path)
+    wider = Bert(
+        vocabulary_size=VOCAB,
+        num_layers=2,
+        num_heads=HEADS,
+        hidden_dim=24,
+        intermediate_dim=INTERMEDIATE,
+        max_sequence_length=MAX_LENGTH,
+    )
+    with pytest.raises(ValueError, match=r"num_layers: checkpoint 3, model 2.*hidden_dim: checkpoint 12, model 24"):
+        load_hf_weights(wider, tmp_path)
+
+
+def test_config_that_does_not_match_the_tensors_raises(tmp_path):
+    save_random(transformers.BertForPreTraining, bert_config(), tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["intermediate_size"] = 24
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        ValueError, match=r"tensor bert\.encoder\.layer\.0\.intermediate\.dense\.weight has shape \(20, 12\).*\(24, 12\)"
+    ):
+        load_hf_encoder(tmp_path)
+
+
+def test_missing_head_raises_and_names_the_tensor(tmp_path):
+    save_random(transformers.BertModel, bert_config(), tmp_path)
+    with pytest.raises(ValueError, match=r"missing.*cls\.predictions.*head=None"):
+        load_hf_encoder(tmp_path, head="pretraining")
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("inner_group_num", 2, r"inner_group_num=2"),
+        ("hidden_act", "silu", r"hidden_act='silu'"),
+        ("model_type", "roberta", r"model_type='roberta'"),
+        ("num_hidden_groups", 3, r"num_layers=4, num_groups=3"),
+    ],
+)
+def test_unsupported_architecture_raises(tmp_path, field, value, message):
+    save_random(transformers.AlbertForPreTraining, albert_config(), tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config[field] = value
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        load_hf_encoder(tmp_path)
+
+
+def test_directory_without_safetensors_raises(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(bert_config().to_dict()))
+    (tmp_path / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"No model\.safetensors.*pytorch_model\.bin"):
+        load_hf_encoder(tmp_path)
+    with pytest.raises(ValueError, match=r"cannot read .*config\.json"):
+        load_hf_encoder(tmp_path / "elsewhere")

@@ -1,0 +1,58 @@
+"""Classification head on the pooled [CLS] vector: dropout and a dense layer."""
+
+import keras
+import tensorflow as tf
+
+
+@keras.saving.register_keras_serializable(package="tfgpt")
+class ClassificationHead(keras.layers.Layer):
+    """Maps a pooled sequence vector (B, C) to class logits (B, num_classes).
+
+    Used for BERT's next-sentence prediction and ALBERT's sentence-order
+    prediction (two classes each, Devlin et al. 2019; Lan et al. 2020) and
+    for fine-tuned sequence classification (GLUE). Logits are float32
+    whatever the dtype policy.
+
+    Args:
+        num_classes: int. Number of classes, at least 2.
+        dropout: float. Dropout rate on the pooled input, in [0, 1).
+
+    Example:
+    >>> head = ClassificationHead(num_classes=3)
+    >>> head(tf.zeros((2, 8))).shape
+    TensorShape([2, 3])
+    """
+
+    def __init__(self, num_classes, dropout=0.0, **kwargs):
+        super().__init__(**kwargs)
+        if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 2:
+            raise ValueError(
+                f"`num_classes` must be an integer >= 2. Received: num_classes={num_classes!r}"
+            )
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"`dropout` must be in [0, 1). Received: dropout={dropout!r}")
+        self.num_classes = num_classes
+        self.dropout = dropout
+        self.input_dropout = keras.layers.Dropout(
+            dropout, dtype=self.dtype_policy, name="input_dropout"
+        )
+        self.classifier = keras.layers.Dense(
+            num_classes,
+            kernel_initializer=keras.initializers.RandomNormal(stddev=0.02),
+            dtype=self.dtype_policy,
+            name="classifier",
+        )
+
+    def build(self, input_shape):
+        self.classifier.build(input_shape)
+        self.built = True
+
+    def call(self, inputs, training=None):
+        """Returns float32 logits (B, num_classes) for `inputs` (B, C)."""
+        x = self.input_dropout(inputs, training=training)
+        return tf.cast(self.classifier(x), "float32")  # (B, K)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(num_classes=self.num_classes, dropout=self.dropout)
+        return config

@@ -1,0 +1,119 @@
+"""Token, position and segment embeddings with a layer norm (BERT, ALBERT)."""
+
+import keras
+import tensorflow as tf
+
+
+@keras.saving.register_keras_serializable(package="tfgpt")
+class EncoderEmbedding(keras.layers.Layer):
+    """Sums token, learned position and segment embeddings, then normalises.
+
+    `layer_norm(token[ids] + position[0..T) + segment[segment_ids])`, then
+    dropout: the input embedding of BERT and ALBERT. For ALBERT the width is
+    the small `embedding_dim` (E); the backbone projects it to `hidden_dim`.
+
+    Args:
+        vocabulary_size: int. Number of token ids.
+        max_sequence_length: int. Rows of the position table.
+        num_segments: int. Rows of the segment table.
+        embedding_dim: int. Embedding width.
+        dropout: float. Dropout rate applied after the layer norm.
+        layer_norm_epsilon: float. Epsilon of the layer norm.
+
+    Example:
+    >>> layer = EncoderEmbedding(100, 16, 2, 8)
+    >>> layer(tf.constant([[1, 2, 3]]), tf.constant([[0, 0, 1]])).shape
+    TensorShape([1, 3, 8])
+    """
+
+    def __init__(
+        self,
+        vocabulary_size,
+        max_sequence_length,
+        num_segments,
+        embedding_dim,
+        dropout=0.0,
+        layer_norm_epsilon=1e-12,
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        self.vocabulary_size = vocabulary_size
+        self.max_sequence_length = max_sequence_length
+        self.num_segments = num_segments
+        self.embedding_dim = embedding_dim
+        self.dropout = dropout
+        self.layer_norm_epsilon = layer_norm_epsilon
+        policy = self.dtype_policy
+
+        def embedding(rows, name):
+            return keras.layers.Embedding(
+                rows,
+                embedding_dim,
+                embeddings_initializer=keras.initializers.RandomNormal(stddev=0.02),
+                dtype=policy,
+                name=name,
+            )
+
+        self.token_embedding = embedding(vocabulary_size, "token_embedding")
+        self.position_embedding = embedding(max_sequence_length, "position_embedding")
+        self.segment_embedding = embedding(num_segments, "segment_embedding")
+        self.embedding_norm = keras.layers.LayerNormalization(
+            epsilon=layer_norm_epsilon, dtype=policy, name="embedding_norm"
+        )
+        self.embedding_dropout = keras.layers.Dropout(
+            dropout, dtype=policy, name="embedding_dropout"
+        )
+
+    def build(self, input_shape):
+        self.token_embedding.build(input_shape)
+        self.position_embedding.build(input_shape)
+        self.segment_embedding.build(input_shape)
+        self.embedding_norm.build(tuple(input_shape) + (self.embedding_dim,))
+        self.built = True
+
+    def call(self, token_ids, segment_ids=None, training=None):
+        """Embeds `token_ids` (B, T); `segment_ids` (B, T) default to 0.
+
+        Returns:
+            float tensor (B, T, embedding_dim).
+        """
+        sequence_length = token_ids.shape[1]
+        if sequence_length is not None and sequence_length > self.max_sequence_length:
+            raise ValueError(
+                "The sequence is longer than the position table. Received: "
+                f"sequence_length={sequence_length}, "
+                f"max_sequence_length={self.max_sequence_length}"
+            )
+        length = tf.shape(token_ids)[1]
+        # Unknown static length (a tf.function with shape None): the gather
+        # below would fail with an opaque message instead.
+        tf.debugging.assert_less_equal(
+            length, self.max_sequence_length, message="sequence longer than max_sequence_length"
+        )
+        positions = tf.range(length)[tf.newaxis, :]  # (1, T)
+        embedded = self.token_embedding(token_ids) + self.position_embedding(positions)  # (B, T, E)
+        if segment_ids is not None:
+            # An id >= num_segments would read zeros on GPU, so check it here.
+            tf.debugging.assert_less(
+                tf.cast(segment_ids, "int32"),
+                self.num_segments,
+                message="segment id beyond num_segments",
+            )
+            embedded = embedded + self.segment_embedding(segment_ids)  # (B, T, E)
+        else:
+            segment_zero = self.segment_embedding(tf.zeros([1, 1], "int32"))  # (1, 1, E)
+            embedded = embedded + segment_zero
+        embedded = self.embedding_norm(embedded)
+        return self.embedding_dropout(embedded, training=training)  # (B, T, E)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            vocabulary_size=self.vocabulary_size,
+            max_sequence_length=self.max_sequence_length,
+            num_segments=self.num_segments,
+            embedding_dim=self.embedding_dim,
+            dropout=self.dropout,
+            layer_norm_epsilon=self.layer_norm_epsilon,
+        )
+        return config
