@@ -85,7 +85,7 @@ def evaluate(model_step, dataset, distribution, max_batches, vocabulary_size):
 
 
 def train(train_config, model_overrides, distribution):
-    """Trains a GPT as `train_config` says; returns the final metrics dict.
+    """Trains a GPT as `train_config` says; returns `(model, metrics)`.
 
     Args:
         train_config: TrainConfig.
@@ -226,4 +226,4 @@ def train(train_config, model_overrides, distribution):
         f"unigram baseline {baseline:.4f}"
     )
     report.close()
-    return metrics
+    return model, metrics
