@@ -127,6 +127,8 @@ if grep -q "xla_mpi_ops" "$TF_CMAKE" || ! grep -qxF "$MPI_OPS_LINE" "$TF_CMAKE";
 fi
 log "patched $TF_CMAKE: dropped xla_mpi_ops.cc (does not compile against TF >= 2.16)"
 
+# From here on the installed horovod (if any) no longer matches the stamp.
+rm -f "$STAMP"
 if "$PYTHON" -m pip show horovod >/dev/null 2>&1; then
   log "removing the previously installed horovod"
   "$PYTHON" -m pip uninstall --yes --quiet horovod

@@ -54,6 +54,11 @@ if [[ ! -x "$PY" ]]; then
   log "creating .venv with $BASE_PY ($("$BASE_PY" --version 2>&1))"
   "$BASE_PY" -m venv "$VENV" || die "step 'python -m venv .venv' failed: apt-get install python3.11-venv"
 fi
+# A venv whose creation was interrupted has a python but no pip.
+if ! "$PY" -m pip --version >/dev/null 2>&1; then
+  log "pip missing in .venv: bootstrapping it with ensurepip"
+  "$PY" -m ensurepip --upgrade >/dev/null || die "step 'python -m ensurepip' failed: apt-get install python3.11-venv"
+fi
 
 # --- 4. Python packages ----------------------------------------------------------
 # setup.py and the list of top-level packages are in the stamp too: the
@@ -75,8 +80,11 @@ else
   "$PY" -m pip install --quiet --upgrade pip setuptools wheel \
     || die "step 'pip install --upgrade pip setuptools wheel' failed (see pip output above)"
   log "installing requirements.txt and requirements-test.txt (TensorFlow is large: a few minutes on a fresh venv)"
-  "$PY" -m pip install --progress-bar off -r requirements.txt -r requirements-test.txt \
-    || die "step 'pip install -r requirements.txt -r requirements-test.txt' failed (see pip output above)"
+  # Show what pip fetches and installs, not the wall of already-satisfied lines.
+  if ! "$PY" -m pip install --progress-bar off -r requirements.txt -r requirements-test.txt \
+      | { grep -v '^Requirement already satisfied' || true; }; then
+    die "step 'pip install -r requirements.txt -r requirements-test.txt' failed (see pip output above)"
+  fi
   if [[ -f setup.py ]]; then
     log "installing tfgpt in editable mode"
     "$PY" -m pip install --quiet --no-deps -e . \
