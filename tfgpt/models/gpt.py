@@ -194,9 +194,24 @@ class GPT(keras.Model):
             logits = tf.matmul(x, embedding, transpose_b=True)  # (B, T, V)
         return tf.cast(logits, "float32")
 
+    def _trackable_children(self, save_type="checkpoint", **kwargs):
+        children = super()._trackable_children(save_type, **kwargs)
+        if save_type == "checkpoint":
+            # Keras 3 (3.15) hands the `self.blocks` list to SavedModel but
+            # not to `tf.train.Checkpoint`: `Checkpoint(model=model)` would
+            # save and restore the embeddings and final norm only, without
+            # an error. Each block is a named child instead (model/block_0/...).
+            children.update({block.name: block for block in self.blocks})
+        return children
+
     def empty_cache(self, batch_size, cache_length=None):
-        """Returns a zero key/value cache (B, L, 2, S, H, D) for decoding."""
-        cache_length = cache_length or self.max_sequence_length
+        """Returns a zero key/value cache (B, L, 2, S, H, D) for decoding.
+
+        `batch_size` and `cache_length` may be scalar tensors (inside a
+        `tf.function`); `cache_length` defaults to `max_sequence_length`.
+        """
+        if cache_length is None:
+            cache_length = self.max_sequence_length
         head_dim = self.hidden_dim // self.num_heads
         shape = [batch_size, self.num_layers, 2, cache_length, self.num_heads, head_dim]
         return tf.zeros(shape, dtype=self.compute_dtype)

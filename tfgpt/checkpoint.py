@@ -1,0 +1,144 @@
+"""Load a GPT and its tokenizer from a directory, whatever wrote it.
+
+Two layouts are recognised by their `config.json`:
+
+- a tfgpt run directory (`tfgpt.training`, or `python -m tfgpt.convert
+  to-tfgpt`): `config.json` with the GPTConfig fields under `"model"`,
+  `ckpt-N` files of a `tf.train.Checkpoint(model=...)` and the tokenizer,
+  `tokenizer.model` (SentencePiece, `pipelines.tokenizer`) or GPT-2's
+  `vocab.json` + `merges.txt`;
+- a Hugging Face GPT-2 directory (`"model_type": "gpt2"`), read by
+  `tfgpt.convert.load_gpt2_checkpoint`.
+"""
+
+import dataclasses
+import json
+import os
+
+import tensorflow as tf
+
+from tfgpt.config import GPTConfig
+from tfgpt.models.gpt import GPT
+from tfgpt.tokenizers.byte_pair_tokenizer import BytePairTokenizer
+from tfgpt.training.checkpointing import CONFIG_FILE, TOKENIZER_FILE
+
+
+def load_model(directory, dtype=None):
+    """Returns `(model, tokenizer)` restored from `directory`.
+
+    Args:
+        directory: str. A tfgpt run directory or a GPT-2 checkpoint directory.
+        dtype: optional Keras dtype policy for the model, e.g.
+            `"mixed_bfloat16"`; float32 by default.
+
+    Returns:
+        The GPT with its weights, and the tokenizer (`pipelines.tokenizer.
+        Tokenizer` or `BytePairTokenizer`), or None when the directory has no
+        tokenizer file.
+    """
+    config = _read_json(directory, CONFIG_FILE)
+    if config.get("model_type") == "gpt2":
+        from tfgpt.convert import load_gpt2_checkpoint  # convert imports this module
+
+        return load_gpt2_checkpoint(directory, dtype=dtype)
+    if not isinstance(config.get("model"), dict):
+        raise ValueError(
+            f"{os.path.join(directory, CONFIG_FILE)} is neither a tfgpt run config "
+            "(a 'model' section with the GPTConfig fields) nor a GPT-2 config "
+            f"(model_type 'gpt2'). Received keys: {sorted(config)}"
+        )
+    model_config = GPTConfig(**config["model"])
+    model = GPT(**dataclasses.asdict(model_config), dtype=dtype)
+    tokenizer = load_tokenizer(directory)
+    if tokenizer is not None:
+        check_tokenizer_matches_model(tokenizer, model)
+    path = latest_checkpoint(directory)
+    # The trainer also saved the optimizer and step; only the model is read,
+    # and every model variable must be found in the checkpoint.
+    try:
+        status = tf.train.Checkpoint(model=model).restore(path)
+    except ValueError as error:  # TF names the variable and both shapes.
+        raise ValueError(
+            f"Mismatched checkpoint shape: {error} Received: checkpoint={path}, "
+            f"model config from {os.path.join(directory, CONFIG_FILE)}"
+        ) from None
+    status.expect_partial()
+    try:
+        status.assert_existing_objects_matched()
+    except AssertionError as error:
+        raise ValueError(
+            f"The checkpoint {path} does not hold every weight of the GPT that "
+            f"config.json describes: {str(error)[:300]}"
+        ) from None
+    return model, tokenizer
+
+
+def save_model(directory, model, tokenizer=None):
+    """Writes `model` as a tfgpt run directory that `load_model` reads.
+
+    `config.json` holds the model's GPTConfig under `"model"` and the weights
+    go to `ckpt-0` through `tf.train.CheckpointManager`, as the trainer
+    writes them; a `BytePairTokenizer` is saved as `vocab.json` and
+    `merges.txt`, a SentencePiece one as `tokenizer.model`.
+    """
+    os.makedirs(directory, exist_ok=True)
+    fields = {field.name: getattr(model, field.name) for field in dataclasses.fields(GPTConfig)}
+    with open(os.path.join(directory, CONFIG_FILE), "w") as file:
+        json.dump({"model": fields}, file, indent=2, sort_keys=True)
+        file.write("\n")
+    manager = tf.train.CheckpointManager(
+        tf.train.Checkpoint(model=model), directory, max_to_keep=1, checkpoint_name="ckpt"
+    )
+    manager.save(checkpoint_number=0)
+    if isinstance(tokenizer, BytePairTokenizer):
+        tokenizer.save(directory)
+    elif tokenizer is not None:
+        with open(os.path.join(directory, TOKENIZER_FILE), "wb") as file:
+            file.write(tokenizer.model_proto)
+
+
+def latest_checkpoint(directory):
+    """Returns the newest checkpoint prefix in `directory` or raises."""
+    path = tf.train.latest_checkpoint(directory)
+    if path is None:
+        raise FileNotFoundError(
+            f"No TensorFlow checkpoint (a 'checkpoint' index and ckpt-N files) "
+            f"in {directory}"
+        )
+    return path
+
+
+def load_tokenizer(directory):
+    """Returns the tokenizer saved in `directory`, or None if there is none."""
+    if os.path.exists(os.path.join(directory, TOKENIZER_FILE)):
+        from pipelines.tokenizer import Tokenizer  # SentencePiece, from the data
+
+        return Tokenizer.load(os.path.join(directory, TOKENIZER_FILE))
+    if os.path.exists(os.path.join(directory, "vocab.json")):
+        return BytePairTokenizer.from_directory(directory)
+    return None
+
+
+def check_tokenizer_matches_model(tokenizer, model):
+    """Raises ValueError if the tokenizer can produce ids the model lacks.
+
+    A larger model vocabulary is allowed (tables padded to a round size, as
+    the trainer's `--vocabulary-size` permits).
+    """
+    if tokenizer.vocabulary_size > model.vocabulary_size:
+        raise ValueError(
+            "The tokenizer's vocabulary does not match the model: it has more "
+            f"ids than the embedding table. Received: tokenizer vocabulary "
+            f"size={tokenizer.vocabulary_size}, model "
+            f"vocabulary_size={model.vocabulary_size}"
+        )
+
+
+def _read_json(directory, name):
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"Checkpoint directory not found: {directory}")
+    path = os.path.join(directory, name)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"No {name} in {directory}: expected {path}")
+    with open(path) as file:
+        return json.load(file)

@@ -1,0 +1,332 @@
+"""Convert between Hugging Face GPT-2 checkpoints and tfgpt's GPT.
+
+A GPT-2 checkpoint directory holds `config.json`, the weights
+(`model.safetensors`, its sharded form with `model.safetensors.index.json`,
+or `pytorch_model.bin`) and the byte-level BPE files `vocab.json` and
+`merges.txt`. The two networks are the same: GPT-2's `Conv1D` weights are
+(in, out) like Keras `Dense` kernels, and `c_attn` packs queries, keys and
+values with the heads contiguous, which is tfgpt's `query_key_value` layout,
+so every tensor copies over unchanged except the untied output projection
+(PyTorch stores `lm_head.weight` as (out, in)).
+
+Usage:
+    python -m tfgpt.convert to-tfgpt GPT2_DIR OUTPUT_DIR
+    python -m tfgpt.convert to-gpt2 TFGPT_DIR OUTPUT_DIR
+
+`to-tfgpt` writes a tfgpt run directory (config.json, ckpt-0, tokenizer);
+`to-gpt2` writes `config.json`, `model.safetensors` and, when the source has
+a GPT-2 tokenizer, `vocab.json` and `merges.txt`. Reading safetensors needs
+only the `safetensors` package; `pytorch_model.bin` needs PyTorch.
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+import numpy as np
+
+from tfgpt.checkpoint import check_tokenizer_matches_model
+from tfgpt.config import GPTConfig
+from tfgpt.models.gpt import GPT
+from tfgpt.tokenizers.byte_pair_tokenizer import BytePairTokenizer
+
+_ACTIVATION_FROM_GPT2 = {
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu": "gelu",
+    "relu": "relu",
+}
+_ACTIVATION_TO_GPT2 = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}
+# Non-trainable buffers some GPT-2 checkpoints carry (the causal mask).
+_BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias")
+
+
+def gpt_config_from_gpt2(gpt2_config):
+    """Returns the GPTConfig of a GPT-2 `config.json` dict.
+
+    GPT-2 has three dropout rates; tfgpt has one and takes `resid_pdrop`.
+    """
+    if gpt2_config.get("model_type") != "gpt2":
+        raise ValueError(
+            "Not a GPT-2 config. Received: "
+            f"model_type={gpt2_config.get('model_type')!r}, expected 'gpt2'"
+        )
+    activation = gpt2_config.get("activation_function", "gelu_new")
+    if activation not in _ACTIVATION_FROM_GPT2:
+        raise ValueError(
+            "Unsupported GPT-2 `activation_function`. Received: "
+            f"activation_function={activation!r}, expected one of "
+            f"{sorted(_ACTIVATION_FROM_GPT2)}"
+        )
+    for name, supported in (
+        ("scale_attn_weights", True),
+        ("scale_attn_by_inverse_layer_idx", False),
+        ("add_cross_attention", False),
+    ):
+        if gpt2_config.get(name, supported) != supported:
+            raise ValueError(
+                f"Unsupported GPT-2 option. Received: {name}={gpt2_config[name]!r}; "
+                f"tfgpt's GPT implements {name}={supported}"
+            )
+    hidden_dim = gpt2_config["n_embd"]
+    return GPTConfig(
+        vocabulary_size=gpt2_config["vocab_size"],
+        num_layers=gpt2_config["n_layer"],
+        num_heads=gpt2_config["n_head"],
+        hidden_dim=hidden_dim,
+        intermediate_dim=gpt2_config.get("n_inner") or 4 * hidden_dim,
+        max_sequence_length=gpt2_config["n_positions"],
+        dropout=float(gpt2_config.get("resid_pdrop", 0.1)),
+        activation=_ACTIVATION_FROM_GPT2[activation],
+        norm_first=True,
+        tie_embeddings=bool(gpt2_config.get("tie_word_embeddings", True)),
+        layer_norm_epsilon=float(gpt2_config.get("layer_norm_epsilon", 1e-5)),
+    )
+
+
+def gpt2_config_from_model(model, eos_id=None):
+    """Returns the GPT-2 `config.json` dict describing `model`."""
+    if not model.norm_first:
+        raise ValueError(
+            "GPT-2 is a pre-layer-norm network; a post-layer-norm model has no "
+            "GPT-2 equivalent. Received: norm_first=False"
+        )
+    config = {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": model.vocabulary_size,
+        "n_positions": model.max_sequence_length,
+        "n_embd": model.hidden_dim,
+        "n_layer": model.num_layers,
+        "n_head": model.num_heads,
+        "n_inner": model.intermediate_dim,
+        "activation_function": _ACTIVATION_TO_GPT2[model.activation],
+        "resid_pdrop": model.dropout,
+        "embd_pdrop": model.dropout,
+        "attn_pdrop": model.dropout,
+        "layer_norm_epsilon": model.layer_norm_epsilon,
+        "tie_word_embeddings": model.tie_embeddings,
+        "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False,
+    }
+    if eos_id is not None:
+        config["bos_token_id"] = config["eos_token_id"] = eos_id
+    return config
+
+
+def weight_map(model):
+    """Yields `(gpt2_name, variable, transpose)` for every weight of `model`.
+
+    Names are those of `GPT2LMHeadModel` without the `transformer.` prefix;
+    `transpose` is True where PyTorch stores the matrix as (out, in).
+    """
+    yield "wte.weight", model.embeddings.token_embedding.embeddings, False
+    yield "wpe.weight", model.embeddings.position_embedding.embeddings, False
+    for index, block in enumerate(model.blocks):
+        prefix = f"h.{index}."
+        for gpt2_name, layer in (
+            ("ln_1", block.attention_norm),
+            ("ln_2", block.feedforward_norm),
+        ):
+            yield prefix + gpt2_name + ".weight", layer.gamma, False
+            yield prefix + gpt2_name + ".bias", layer.beta, False
+        for gpt2_name, layer in (
+            ("attn.c_attn", block.attention.query_key_value),
+            ("attn.c_proj", block.attention.output_projection),
+            ("mlp.c_fc", block.feedforward_intermediate),
+            ("mlp.c_proj", block.feedforward_output),
+        ):
+            yield prefix + gpt2_name + ".weight", layer.kernel, False
+            yield prefix + gpt2_name + ".bias", layer.bias, False
+    yield "ln_f.weight", model.final_norm.gamma, False
+    yield "ln_f.bias", model.final_norm.beta, False
+    if not model.tie_embeddings:
+        yield "lm_head.weight", model.lm_head.kernel, True
+
+
+def load_gpt2_checkpoint(directory, dtype=None, load_tokenizer=True):
+    """Builds a tfgpt GPT from a Hugging Face GPT-2 checkpoint directory.
+
+    Args:
+        directory: str. Holds `config.json`, `model.safetensors` (or its
+            sharded index, or `pytorch_model.bin`), `vocab.json` and
+            `merges.txt`.
+        dtype: optional Keras dtype policy for the model.
+        load_tokenizer: bool. Read `vocab.json` and `merges.txt` (they must
+            exist); when False the tokenizer returned is None.
+
+    Returns:
+        `(model, tokenizer)`: a GPT with the checkpoint's shape and weights
+        and a `BytePairTokenizer`.
+
+    Example:
+    >>> model, tokenizer = load_gpt2_checkpoint("gpt2")  # doctest: +SKIP
+    >>> model.generate([tokenizer.encode("Hello")], max_new_tokens=5)  # doctest: +SKIP
+    """
+    config_path = os.path.join(directory, "config.json")
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"GPT-2 checkpoint directory not found: {directory}")
+    if not os.path.exists(config_path):
+        raise FileNotFoundError(f"No config.json in the GPT-2 checkpoint: {config_path}")
+    with open(config_path) as file:
+        config = gpt_config_from_gpt2(json.load(file))
+    tokenizer = BytePairTokenizer.from_directory(directory) if load_tokenizer else None
+    model = GPT(**dataclasses.asdict(config), dtype=dtype)
+    if tokenizer is not None:
+        check_tokenizer_matches_model(tokenizer, model)
+    weights = _read_weights(directory)
+    _assign_weights(model, weights, source=directory)
+    return model, tokenizer
+
+
+def save_gpt2_checkpoint(model, directory, tokenizer=None):
+    """Writes `model` as a Hugging Face GPT-2 checkpoint directory.
+
+    Writes `config.json` and `model.safetensors` (float32, the tied output
+    projection omitted as `save_pretrained` does) and, given a
+    `BytePairTokenizer`, `vocab.json` and `merges.txt`.
+    """
+    from safetensors.numpy import save_file
+
+    if tokenizer is not None and not isinstance(tokenizer, BytePairTokenizer):
+        raise ValueError(
+            "Only a GPT-2 byte-level BPE tokenizer can be written in GPT-2's "
+            f"layout. Received: tokenizer of type {type(tokenizer).__name__}"
+        )
+    config = gpt2_config_from_model(model, eos_id=getattr(tokenizer, "eos_id", None))
+    os.makedirs(directory, exist_ok=True)
+    tensors = {}
+    for name, variable, transpose in weight_map(model):
+        value = np.asarray(variable.numpy(), np.float32)
+        key = name if name.startswith("lm_head") else "transformer." + name
+        tensors[key] = np.ascontiguousarray(value.T if transpose else value)
+    save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(directory, "config.json"), "w") as file:
+        json.dump(config, file, indent=2, sort_keys=True)
+        file.write("\n")
+    if tokenizer is not None:
+        tokenizer.save(directory)
+
+
+def _read_weights(directory):
+    """Returns {name: float32 array} with names stripped of `transformer.`."""
+    candidates = [
+        "model.safetensors",
+        "model.safetensors.index.json",
+        "pytorch_model.bin",
+        "pytorch_model.bin.index.json",
+    ]
+    for name in candidates:
+        path = os.path.join(directory, name)
+        if os.path.exists(path):
+            break
+    else:
+        raise FileNotFoundError(
+            f"No GPT-2 weights in {directory}: expected one of {', '.join(candidates)}"
+        )
+    if path.endswith(".index.json"):
+        with open(path) as file:
+            shards = sorted(set(json.load(file)["weight_map"].values()))
+        files = [os.path.join(directory, shard) for shard in shards]
+    else:
+        files = [path]
+    weights = {}
+    for file in files:
+        if not os.path.exists(file):
+            raise FileNotFoundError(f"Weight shard listed in {path} is missing: {file}")
+        weights.update(_read_weight_file(file))
+    stripped = {}
+    for name, value in weights.items():
+        if name.endswith(_BUFFER_SUFFIXES):
+            continue
+        name = name.removeprefix("transformer.")
+        stripped[name] = np.asarray(value, np.float32)
+    return stripped
+
+
+def _read_weight_file(path):
+    if path.endswith(".safetensors"):
+        from safetensors.numpy import load_file
+
+        return load_file(path)
+    try:
+        import torch
+    except ImportError:
+        raise ImportError(
+            f"Reading {path} needs PyTorch (pip install torch), or convert the "
+            "checkpoint to model.safetensors first"
+        ) from None
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    return {name: tensor.float().numpy() for name, tensor in state.items()}
+
+
+def _assign_weights(model, weights, source):
+    expected = list(weight_map(model))
+    unused = set(weights) - {name for name, _, _ in expected}
+    if model.tie_embeddings and "lm_head.weight" in weights:
+        # Some writers store the tied projection anyway; it must equal wte.
+        if not np.array_equal(weights["lm_head.weight"], weights.get("wte.weight")):
+            raise ValueError(
+                f"config.json in {source} says tie_word_embeddings=true but the "
+                "weights hold an `lm_head.weight` different from `wte.weight`"
+            )
+        unused.discard("lm_head.weight")
+    if unused:
+        raise ValueError(
+            f"The checkpoint in {source} has weights this GPT has no place for "
+            f"(is config.json from the same model?). Received: "
+            f"{', '.join(sorted(unused)[:5])}{' ...' if len(unused) > 5 else ''}"
+        )
+    for name, variable, transpose in expected:
+        if name not in weights:
+            raise ValueError(
+                f"The checkpoint in {source} is missing the weight `{name}` that "
+                "its config.json implies"
+            )
+        value = weights[name].T if transpose else weights[name]
+        if tuple(value.shape) != tuple(variable.shape):
+            raise ValueError(
+                f"Mismatched checkpoint shape for `{name}`: the weights file has "
+                f"{tuple(weights[name].shape)}, config.json implies "
+                f"{tuple(variable.shape[::-1]) if transpose else tuple(variable.shape)}. "
+                f"Received: directory={source}"
+            )
+        variable.assign(value)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        prog="python -m tfgpt.convert",
+        description="Convert between Hugging Face GPT-2 checkpoints and tfgpt.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    to_tfgpt = commands.add_parser("to-tfgpt", help="GPT-2 directory -> tfgpt run directory")
+    to_gpt2 = commands.add_parser("to-gpt2", help="tfgpt (or GPT-2) directory -> GPT-2 layout")
+    for command in (to_tfgpt, to_gpt2):
+        command.add_argument("source", help="directory to read")
+        command.add_argument("output", help="directory to write")
+    args = parser.parse_args(argv)
+
+    from tfgpt import checkpoint
+
+    if args.command == "to-tfgpt":
+        model, tokenizer = load_gpt2_checkpoint(args.source)
+        checkpoint.save_model(args.output, model, tokenizer)
+    else:
+        model, tokenizer = checkpoint.load_model(args.source)
+        if not isinstance(tokenizer, BytePairTokenizer):
+            print(
+                "note: the tokenizer is not GPT-2's byte-level BPE; only the "
+                "weights and config.json are written",
+                file=sys.stderr,
+            )
+            tokenizer = None
+        save_gpt2_checkpoint(model, args.output, tokenizer)
+    print(f"wrote {args.output} ({model.count_params():,} parameters)")
+
+
+if __name__ == "__main__":
+    main()
