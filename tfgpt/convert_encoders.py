@@ -86,7 +86,9 @@ def read_safetensors(path):
             )
         begin, end = info["data_offsets"]
         if end > data.size:
-            raise ValueError(f"{path}: tensor {name!r} lies beyond the end of the file (truncated?)")
+            raise ValueError(
+                f"{path}: tensor {name!r} lies beyond the end of the file (truncated?)"
+            )
         array = np.frombuffer(data[begin:end], dtype=_SAFETENSORS_DTYPES[info["dtype"]])
         if info["dtype"] == "BF16":
             array = (array.astype(np.uint32) << 16).view(np.float32)
@@ -300,7 +302,11 @@ def _norm(hf_name, layer):
 
 def _embeddings(prefix, embeddings):
     return [
-        (f"{prefix}embeddings.word_embeddings.weight", embeddings.token_embedding.embeddings, False),
+        (
+            f"{prefix}embeddings.word_embeddings.weight",
+            embeddings.token_embedding.embeddings,
+            False,
+        ),
         (
             f"{prefix}embeddings.position_embeddings.weight",
             embeddings.position_embedding.embeddings,

@@ -1,0 +1,1 @@
+"""Fine-tuning tasks: data readers, featurizers and metrics (SQuAD, classification)."""
