@@ -109,3 +109,24 @@ def test_vocabulary_smaller_than_tokenizer_is_rejected(tiny_data, tmp_path):
                         "--vocabulary-size", "100", *TINY_MODEL])
     assert code == 2
     assert "vocabulary_size=100" in output and "300 ids" in output
+
+
+def test_corrupted_shard_stops_training_with_its_name(tiny_data, tmp_path):
+    import shutil
+
+    from tfgpt.distributed import LocalDistribution
+    from tfgpt.training.flags import parse_flags
+    from tfgpt.training.trainer import train
+
+    data = tmp_path / "data"
+    shutil.copytree(tiny_data, data)
+    shard = sorted(data.glob("train-*.tfrecord"))[0]
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2 : len(raw) // 2 + 64] = bytes(64)  # same size, flipped bytes
+    shard.write_bytes(bytes(raw))
+    train_config, overrides = parse_flags(
+        ["--data", str(data), "--out", str(tmp_path / "run"), "--steps", "200",
+         "--batch-size", "4", *TINY_MODEL]
+    )
+    with pytest.raises(ValueError, match=rf"{shard.name}: shard is corrupted: sha256"):
+        train(train_config, overrides, LocalDistribution())

@@ -63,6 +63,28 @@ def unigram_entropy(token_counts):
     return float(-(probabilities * np.log(probabilities)).sum())
 
 
+def batches_naming_bad_shards(dataset, data_dir, split):
+    """Yields from `dataset`; a read error becomes one that names the bad shard.
+
+    tf.data's DataLossError does not say which file it was reading: on that
+    error the split's shards are checked against the manifest's sizes and
+    checksums, which names the culprit.
+    """
+    iterator = iter(dataset)
+    while True:
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            return
+        except tf.errors.DataLossError as error:
+            reader.verify_shards(data_dir, split)  # raises, naming the file
+            raise ValueError(
+                f"reading {split} shards of {data_dir} failed although every shard "
+                f"matches its checksum: {error.message}"
+            ) from error
+        yield batch
+
+
 def evaluate(model_step, dataset, distribution, max_batches, vocabulary_size):
     """Mean validation loss over all workers, and the unigram baseline.
 
@@ -169,7 +191,7 @@ def train(train_config, model_overrides, distribution):
     tokens_per_step = world_batch * sequence_length
     metrics = {}
     window_start, window_steps, window_loss = time.perf_counter(), 0, 0.0
-    iterator = iter(dataset)
+    iterator = batches_naming_bad_shards(dataset, train_config.data, "train")
     for current in range(start, train_config.steps):
         inputs, targets = next(iterator)
         loss, gradient_norm = train_step(inputs, targets)
@@ -214,7 +236,7 @@ def train(train_config, model_overrides, distribution):
     )
     val_loss, baseline = evaluate(
         EvalStep(model, xla=train_config.xla),
-        validation,
+        batches_naming_bad_shards(validation, train_config.data, "val"),
         distribution,
         train_config.eval_batches,
         model_config.vocabulary_size,
