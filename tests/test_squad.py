@@ -77,7 +77,7 @@ def test_read_squad_v2_0_unanswerable(tmp_path):
             {"id": "q2", "question": "Who sang?", "answers": [], "is_impossible": True,
              "plausible_answers": [answer("Carolina Panthers")]},
         ],
-        version="2.0",
+        version="v2.0",  # As the official train-v2.0.json and dev-v2.0.json say.
     )
     version, examples = read_squad(path)
     assert version == "2.0"

@@ -439,18 +439,18 @@ def _assign(model, hf_config, tensors, directory):
             f"{directory}: {len(missing)} tensor(s) the {type(model).__name__} needs are "
             f"missing from the checkpoint, e.g. {', '.join(missing[:3])}.{hint}"
         )
+    # Every shape is checked before the first assignment, so that a bad
+    # checkpoint leaves an existing model untouched.
     for name, variable, transpose in pairs:
-        value = tensors[name]
-        if transpose:
-            value = value.T
-        if tuple(value.shape) != tuple(variable.shape):
+        expected = tuple(variable.shape[::-1]) if transpose else tuple(variable.shape)
+        if tuple(tensors[name].shape) != expected:
             raise ValueError(
                 f"{directory}: tensor {name} has shape {tuple(tensors[name].shape)}, "
-                f"the {type(model).__name__} expects "
-                f"{tuple(variable.shape[::-1]) if transpose else tuple(variable.shape)} "
-                "(a checkpoint of a different architecture, or a config.json that "
-                "does not match its weights)"
+                f"the {type(model).__name__} expects {expected} (a checkpoint of a "
+                "different architecture, or a config.json that does not match its weights)"
             )
+    for name, variable, transpose in pairs:
+        value = tensors[name].T if transpose else tensors[name]
         variable.assign(np.asarray(value, dtype=np.float32))
 
     used = {name for name, _, _ in pairs}

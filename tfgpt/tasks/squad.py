@@ -61,9 +61,10 @@ def read_squad(path):
         path: str. A file in the official layout.
 
     Returns:
-        `(version, examples)`: the file's `"version"` string ("1.1" or
-        "2.0"; a file with `is_impossible` fields but no version counts as
-        "2.0") and a list of `SquadExample`.
+        `(version, examples)`: the file's `"version"` as "1.1" or "2.0"
+        (the official v2.0 files say "v2.0"; a file without a version
+        counts as "2.0" if it has `is_impossible` fields) and a list of
+        `SquadExample`.
 
     Raises:
         ValueError: naming the file and the question id for an answer whose
@@ -99,7 +100,8 @@ def read_squad(path):
                 seen.add(example.question_id)
                 has_impossible = has_impossible or "is_impossible" in question
                 examples.append(example)
-    version = str(dataset.get("version") or ("2.0" if has_impossible else "1.1"))
+    # The official files say "1.1" and "v2.0".
+    version = str(dataset.get("version") or ("2.0" if has_impossible else "1.1")).removeprefix("v")
     if version not in ("1.1", "2.0"):
         raise ValueError(f"{path}: unknown SQuAD version. Received: version={version!r}")
     return version, examples
