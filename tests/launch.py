@@ -43,7 +43,7 @@ def run(command, timeout=TIMEOUT_SECONDS, env=None):
     return process.returncode, output
 
 
-def horovodrun(num_workers, *command, timeout=TIMEOUT_SECONDS):
+def horovodrun(num_workers, *command, timeout=TIMEOUT_SECONDS, env=None):
     """Runs `python command...` under `horovodrun -np N --gloo` on localhost."""
     if not HOROVODRUN.exists():
         pytest.fail(f"{HOROVODRUN} not found: run `make setup` to build Horovod")
@@ -51,4 +51,5 @@ def horovodrun(num_workers, *command, timeout=TIMEOUT_SECONDS):
         [HOROVODRUN, "-np", num_workers, "--gloo", "-H", f"localhost:{num_workers}",
          sys.executable, *command],
         timeout=timeout,
+        env=env,
     )

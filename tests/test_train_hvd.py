@@ -6,6 +6,7 @@ import sys
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from pipelines import prepare
 from tests.launch import REPO, horovodrun, run
@@ -130,3 +131,54 @@ def test_corrupted_shard_stops_training_with_its_name(tiny_data, tmp_path):
     )
     with pytest.raises(ValueError, match=rf"{shard.name}: shard is corrupted: sha256"):
         train(train_config, overrides, LocalDistribution())
+
+
+def _checkpoint_tensors(path):
+    checkpoint = tf.train.load_checkpoint(str(path))
+    return {
+        name: checkpoint.get_tensor(name)
+        for name in checkpoint.get_variable_to_shape_map()
+        if not name.startswith("_CHECKPOINTABLE_OBJECT_GRAPH")
+    }
+
+
+def _train_losses(run_dir):
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if r["split"] == "train"}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("workers", [1, 2])
+def test_sigkill_and_resume_equals_an_uninterrupted_run(tiny_data, tmp_path, workers):
+    """2N steps in one go == N steps, SIGKILL, resume for N more: bitwise."""
+    def command(run_dir, *extra):
+        flags = [REPO / "train_hvd.py", "--data", tiny_data, "--out", run_dir,
+                 "--steps", "12", "--save-every", "6", "--log-every", "2",
+                 "--batch-size", "4", "--dropout", "0.1", "--eval-batches", "1",
+                 "--peak-flops", "1e11", *TINY_MODEL, *extra]
+        return flags
+
+    def launch(flags, env=None):
+        if workers == 1:
+            return run([sys.executable, *flags], env=env)
+        return horovodrun(2, *flags, env=env)
+
+    code, output = launch(command(tmp_path / "straight"))
+    assert code == 0, output
+    code, output = launch(command(tmp_path / "killed"), env={"TFGPT_FAULT_KILL_AFTER_SAVE": "6"})
+    assert code != 0 and not (tmp_path / "killed" / "ckpt-12.index").exists(), output
+    assert (tmp_path / "killed" / "ckpt-6.index").exists()
+    code, output = launch(command(tmp_path / "killed", "--resume"))
+    assert code == 0, output
+    assert "resumed from" in output and "next unseen batch" in output
+
+    straight = _checkpoint_tensors(tmp_path / "straight" / "ckpt-12")
+    resumed = _checkpoint_tensors(tmp_path / "killed" / "ckpt-12")
+    assert straight.keys() == resumed.keys()
+    assert any("optimizer" in name for name in straight)
+    for name in straight:
+        np.testing.assert_array_equal(straight[name], resumed[name], err_msg=name)
+    straight_losses = _train_losses(tmp_path / "straight")
+    resumed_losses = _train_losses(tmp_path / "killed")
+    for at_step in (8, 10, 12):
+        assert resumed_losses[at_step] == straight_losses[at_step], at_step

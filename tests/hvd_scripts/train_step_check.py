@@ -40,7 +40,7 @@ def main(out, xla):
         [tf.constant(g) for g in local_gradients])]
 
     step = TrainStep(model, optimizer, distribution, xla=xla)
-    losses = [float(step(x, y)[0]) for x, y in batches]
+    losses = [float(step(x, y)["loss"]) for x, y in batches]
     np.savez(
         f"{out}/rank-{distribution.rank}.npz",
         losses=np.array(losses),

@@ -27,14 +27,17 @@ def make_optimizer(config, num_workers=1):
         config: TrainConfig.
         num_workers: int. Data-parallel workers, for learning-rate scaling.
     """
-    optimizer = keras.optimizers.AdamW(
+    common = dict(
         learning_rate=learning_rate_schedule(config, num_workers),
         weight_decay=config.weight_decay,
-        beta_1=0.9,
-        beta_2=0.95,
-        epsilon=1e-8,
         global_clipnorm=config.gradient_clip_norm or None,
     )
+    if config.optimizer == "lamb":
+        # LAMB's own defaults (You et al. 2020, as in the ALBERT recipe).
+        optimizer = keras.optimizers.Lamb(beta_1=0.9, beta_2=0.999, epsilon=1e-6, **common)
+    else:
+        # GPT-3's AdamW settings (Brown et al. 2020, appendix B).
+        optimizer = keras.optimizers.AdamW(beta_1=0.9, beta_2=0.95, epsilon=1e-8, **common)
     optimizer.exclude_from_weight_decay(var_names=[NO_DECAY_PATTERN])
     if config.mixed_precision == "float16":
         optimizer = keras.optimizers.LossScaleOptimizer(optimizer)

@@ -1,78 +1,138 @@
 """The compiled training and evaluation steps shared by every front end."""
 
+import keras
 import tensorflow as tf
 
 
-def cross_entropy(targets, logits):
-    """Mean next-token cross-entropy in float32 (logits are float32 already)."""
+def cross_entropy(targets, logits, weights=None):
+    """Mean token cross-entropy in float32, optionally weighted (B, T) or (B, P)."""
     losses = tf.nn.sparse_softmax_cross_entropy_with_logits(
         labels=tf.cast(targets, "int32"), logits=tf.cast(logits, "float32")
-    )  # (B, T)
-    return tf.reduce_mean(losses)
+    )
+    if weights is None:
+        return tf.reduce_mean(losses)
+    weights = tf.cast(weights, "float32")
+    return tf.reduce_sum(losses * weights) / tf.maximum(tf.reduce_sum(weights), 1.0)
+
+
+def causal_lm_loss(model, batch, training):
+    """Next-token loss of a decoder on an `(inputs, targets)` batch."""
+    inputs, targets = batch
+    return cross_entropy(targets, model(inputs, training=training)), {}
 
 
 def _dense(gradient):
     # Embedding lookups give IndexedSlices; a dense tensor allreduces in one
-    # fused call, and for a vocabulary this size the dense form is cheaper
-    # than Horovod's allgather of slices.
+    # fused call, and for vocabularies of this size the dense form is
+    # cheaper than Horovod's allgather of slices.
     return tf.convert_to_tensor(gradient) if isinstance(gradient, tf.IndexedSlices) else gradient
+
+
+def _loss_scale(optimizer):
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return optimizer.dynamic_scale
+    return None
 
 
 class TrainStep:
     """Forward, backward, gradient averaging and the optimizer update.
 
     The forward/backward pass is one `tf.function` (XLA-compiled when `xla`
-    is set); averaging and the update run in a second one around it, so the
-    collective stays outside the XLA cluster.
+    is set); accumulation, averaging across workers and the update run in a
+    second one around it, so the collective stays outside the XLA cluster.
+
+    With `accumulation_steps=K`, every leaf of a batch carries a leading
+    axis of K micro-batches; their gradients are averaged locally before
+    the single allreduce and update, so the update equals that of one batch
+    K times larger.
 
     Args:
-        model: keras.Model returning float32 logits.
+        model: keras.Model.
         optimizer: keras optimizer (LossScaleOptimizer under float16).
         distribution: object with `allreduce_gradients`.
+        loss_fn: callable `(model, batch, training) -> (loss, metrics)`;
+            defaults to the causal language-model loss.
         xla: bool. JIT-compile the forward and backward pass.
+        accumulation_steps: int. Micro-batches per update.
 
-    Calling it with `(inputs, targets)` returns `(loss, gradient_norm)`, the
-    loss of this worker's batch and the global norm of the averaged
-    gradients before clipping.
+    Calling it with a batch returns a dict of scalars: `loss` (this
+    worker's mean), `gradient_norm` (global norm of the averaged, unscaled
+    gradients before clipping), and whatever `loss_fn` reports.
     """
 
-    def __init__(self, model, optimizer, distribution, xla=False):
+    def __init__(
+        self, model, optimizer, distribution, loss_fn=causal_lm_loss, xla=False,
+        accumulation_steps=1,
+    ):
+        if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
+            raise ValueError(
+                "`accumulation_steps` must be a positive integer. "
+                f"Received: accumulation_steps={accumulation_steps!r}"
+            )
         self.model = model
         self.optimizer = optimizer
         self.distribution = distribution
+        self.loss_fn = loss_fn
+        self.accumulation_steps = accumulation_steps
         self.variables = model.trainable_variables
         self._forward_backward = tf.function(self._forward_backward_fn, jit_compile=xla)
         self._step = tf.function(self._step_fn)
 
-    def _forward_backward_fn(self, inputs, targets):
+    def _forward_backward_fn(self, batch):
         with tf.GradientTape() as tape:
-            logits = self.model(inputs, training=True)  # (B, T, V)
-            loss = cross_entropy(targets, logits)
+            loss, metrics = self.loss_fn(self.model, batch, True)
             scaled_loss = self.optimizer.scale_loss(loss)
         # Sources are the tf.Variables inside the Keras 3 variables.
         gradients = tape.gradient(scaled_loss, [v.value for v in self.variables])
-        return loss, [_dense(g) for g in gradients]
+        gradients = [
+            tf.zeros_like(v.value) if g is None else _dense(g)
+            for g, v in zip(gradients, self.variables)
+        ]
+        return loss, metrics, gradients
 
-    def _step_fn(self, inputs, targets):
-        loss, gradients = self._forward_backward(inputs, targets)
+    def _accumulate(self, batch):
+        count = self.accumulation_steps
+        if count == 1:
+            return self._forward_backward(batch)
+        micro = lambda index: tf.nest.map_structure(lambda t: t[index], batch)  # noqa: E731
+        loss, metrics, gradients = self._forward_backward(micro(0))
+        for index in tf.range(1, count):
+            next_loss, next_metrics, next_gradients = self._forward_backward(micro(index))
+            loss += next_loss
+            metrics = tf.nest.map_structure(tf.add, metrics, next_metrics)
+            gradients = [a + b for a, b in zip(gradients, next_gradients)]
+        scale = 1.0 / count
+        return (
+            loss * scale,
+            tf.nest.map_structure(lambda m: m * scale, metrics),
+            [g * scale for g in gradients],
+        )
+
+    def _step_fn(self, batch):
+        loss, metrics, gradients = self._accumulate(batch)
         gradients = self.distribution.allreduce_gradients(gradients)
         gradient_norm = tf.linalg.global_norm(gradients)
+        loss_scale = _loss_scale(self.optimizer)
+        if loss_scale is not None:
+            gradient_norm = gradient_norm / tf.cast(loss_scale, gradient_norm.dtype)
         self.optimizer.apply(gradients, self.variables)
-        return loss, gradient_norm
+        return {"loss": loss, "gradient_norm": gradient_norm, **metrics}
 
-    def __call__(self, inputs, targets):
-        return self._step(inputs, targets)
+    def __call__(self, *batch):
+        # step(batch) or step(inputs, targets).
+        return self._step(batch[0] if len(batch) == 1 else batch)
 
 
 class EvalStep:
-    """Returns the mean loss of a batch, compiled once."""
+    """Returns `(loss, metrics)` of a batch without training, compiled once."""
 
-    def __init__(self, model, xla=False):
+    def __init__(self, model, loss_fn=causal_lm_loss, xla=False):
         self.model = model
+        self.loss_fn = loss_fn
         self._step = tf.function(self._step_fn, jit_compile=xla)
 
-    def _step_fn(self, inputs, targets):
-        return cross_entropy(targets, self.model(inputs, training=False))
+    def _step_fn(self, batch):
+        return self.loss_fn(self.model, batch, False)
 
-    def __call__(self, inputs, targets):
-        return self._step(inputs, targets)
+    def __call__(self, *batch):
+        return self._step(batch[0] if len(batch) == 1 else batch)

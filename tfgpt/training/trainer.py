@@ -2,13 +2,14 @@
 
 `train()` takes a TrainConfig, model overrides and a distribution object
 (`tfgpt.distributed`) and runs, in order: config, data, model, optimizer,
-loop, save. The front ends (`train_hvd.py`, `train_mirrored.py`, a
-notebook) only choose the distribution.
+loop, save. The front ends (`train_hvd.py`, `train_mirrored.py`) only
+choose the distribution.
 """
 
 import dataclasses
 import math
 import os
+import signal
 import time
 
 import keras
@@ -19,27 +20,41 @@ from pipelines import reader
 from pipelines.tokenizer import Tokenizer
 from tfgpt.config import GPTConfig
 from tfgpt.models.gpt import GPT
+from tfgpt.training import flops
 from tfgpt.training.checkpointing import TOKENIZER_FILE, Checkpointer, read_config
 from tfgpt.training.optimizers import make_optimizer
 from tfgpt.training.reporter import Reporter
 from tfgpt.training.train_step import EvalStep, TrainStep
 
 _POLICIES = {"off": "float32", "float16": "mixed_float16", "bfloat16": "mixed_bfloat16"}
+# Test-only fault injection: SIGKILL this process right after the checkpoint
+# of this step is on disk, to prove that resuming is exact.
+_KILL_AFTER_SAVE = "TFGPT_FAULT_KILL_AFTER_SAVE"
 
 
 class TrainingDiverged(RuntimeError):
     """The loss became NaN or infinite."""
 
 
-def resolve_model_config(train_config, model_overrides, manifest, tokenizer):
-    """Returns the GPTConfig for this run: preset, then flags, then the data's facts.
+def resolve_model_config(train_config, model_overrides, manifest, tokenizer, saved=None):
+    """Returns the GPTConfig for this run: preset, flags, the data, a checkpoint.
 
     The vocabulary size comes from the data's tokenizer unless a flag sets
-    it; a flag that contradicts the data is an error.
+    it. When resuming, the architecture comes from the checkpoint's
+    config.json and a flag that contradicts it is an error.
     """
-    overrides = dict(model_overrides)
-    overrides.setdefault("vocabulary_size", tokenizer.vocabulary_size)
-    config = GPTConfig.from_preset(train_config.preset, **overrides)
+    if saved is not None:
+        for name, value in model_overrides.items():
+            if saved.get(name) != value:
+                raise ValueError(
+                    f"--{name.replace('_', '-')} {value} contradicts the checkpoint being "
+                    f"resumed in --out {train_config.out} ({name}={saved.get(name)!r})"
+                )
+        config = GPTConfig(**saved)
+    else:
+        overrides = dict(model_overrides)
+        overrides.setdefault("vocabulary_size", tokenizer.vocabulary_size)
+        config = GPTConfig.from_preset(train_config.preset, **overrides)
     if config.vocabulary_size < tokenizer.vocabulary_size:
         raise ValueError(
             "`vocabulary_size` is smaller than the data's tokenizer. Received: "
@@ -85,25 +100,44 @@ def batches_naming_bad_shards(dataset, data_dir, split):
         yield batch
 
 
-def evaluate(model_step, dataset, distribution, max_batches, vocabulary_size):
+def evaluate(eval_step, batches, distribution, max_batches, vocabulary_size):
     """Mean validation loss over all workers, and the unigram baseline.
 
     Each worker reads its own part of the split; sums and counts are
     averaged across workers so the result weights every batch equally.
     """
-    total, batches = 0.0, 0
+    total, count = 0.0, 0
     counts = np.zeros(vocabulary_size, np.int64)
-    for inputs, targets in dataset:
-        total += float(model_step(inputs, targets))
+    for inputs, targets in batches:
+        loss, _ = eval_step(inputs, targets)
+        total += float(loss)
         counts += np.bincount(targets.numpy().ravel(), minlength=vocabulary_size)
-        batches += 1
-        if max_batches and batches >= max_batches:
+        count += 1
+        if max_batches and count >= max_batches:
             break
-    summed = distribution.allreduce_mean(tf.constant([total, float(batches)], tf.float64))
+    summed = distribution.allreduce_mean(tf.constant([total, float(count)], tf.float64))
     summed_counts = distribution.allreduce_mean(tf.constant(counts, tf.float64))
     if float(summed[1]) == 0:
         raise ValueError("the validation split has no full batch for this batch size")
     return float(summed[0] / summed[1]), unigram_entropy(summed_counts.numpy())
+
+
+def _seed_generator_states(model):
+    # Dropout's random state lives in Keras SeedGenerators, which
+    # tf.train.Checkpoint does not reach through the layers: list them.
+    return [v.value for v in model.variables if "seed_generator_state" in v.path]
+
+
+def _check_batch_sizes(train_config, manifest, distribution):
+    records = reader.records_per_worker(manifest, "train", distribution.size)
+    needed = train_config.batch_size * train_config.accumulation_steps
+    if min(records) < needed:
+        raise ValueError(
+            f"--batch-size {train_config.batch_size} x --accumulation-steps "
+            f"{train_config.accumulation_steps} needs {needed} training sequences per "
+            f"worker, but {train_config.data} gives some of the {distribution.size} "
+            f"worker(s) only {min(records)}"
+        )
 
 
 def train(train_config, model_overrides, distribution):
@@ -114,27 +148,29 @@ def train(train_config, model_overrides, distribution):
         model_overrides: dict of GPTConfig fields set explicitly by flags.
         distribution: a `tfgpt.distributed` object (local, Horovod, ...).
     """
-    # Config: from the preset, the flags, and the data's manifest.
+    # Config: from the preset, the flags, the data and (resuming) the checkpoint.
+    out = train_config.out
     manifest = reader.load_manifest(train_config.data)
     tokenizer_path = os.path.join(train_config.data, TOKENIZER_FILE)
     tokenizer = Tokenizer.load(tokenizer_path)
-    if train_config.resume and os.path.exists(os.path.join(train_config.out, "config.json")):
-        # Resuming takes the architecture from the checkpoint, not the flags.
-        model_overrides = {**read_config(train_config.out)["model"], **model_overrides}
-    model_config = resolve_model_config(train_config, model_overrides, manifest, tokenizer)
-    out = train_config.out
-    report = Reporter(out, distribution.is_chief)
-    checkpoint_exists = tf.train.latest_checkpoint(out) is not None
-    if checkpoint_exists and not train_config.resume:
+    has_checkpoint = tf.train.latest_checkpoint(out) is not None
+    if has_checkpoint and not train_config.resume:
         raise ValueError(
             f"--out {out} already holds checkpoints: pass --resume to continue "
             "that run, or choose another --out"
         )
+    saved = read_config(out)["model"] if has_checkpoint else None
+    model_config = resolve_model_config(
+        train_config, model_overrides, manifest, tokenizer, saved=saved
+    )
+    _check_batch_sizes(train_config, manifest, distribution)
+    report = Reporter(out, distribution.is_chief)
     sequence_length = manifest["seq_len"]
-    world_batch = train_config.batch_size * distribution.size
+    global_batch = train_config.batch_size * train_config.accumulation_steps * distribution.size
     report.info(
-        f"tfgpt: {distribution.size} worker(s), global batch {world_batch} x "
-        f"{sequence_length} tokens, {train_config.steps} steps, "
+        f"tfgpt: {distribution.size} worker(s), global batch {global_batch} x "
+        f"{sequence_length} tokens ({train_config.batch_size} per worker x "
+        f"{train_config.accumulation_steps} accumulated), {train_config.steps} steps, "
         f"precision {train_config.mixed_precision}, xla {train_config.xla}"
     )
 
@@ -147,8 +183,33 @@ def train(train_config, model_overrides, distribution):
     # Optimizer.
     optimizer = make_optimizer(train_config, distribution.size)
     optimizer.build(model.trainable_variables)
-    train_step = TrainStep(model, optimizer, distribution, xla=train_config.xla)
+    train_step = TrainStep(
+        model,
+        optimizer,
+        distribution,
+        xla=train_config.xla,
+        accumulation_steps=train_config.accumulation_steps,
+    )
 
+    # Data: each worker reads its own part, in an order fixed by the seed.
+    def train_batches(seed):
+        dataset = reader.make_dataset(
+            train_config.data,
+            "train",
+            train_config.batch_size,
+            seed=seed,
+            num_shards=distribution.size,
+            shard_index=distribution.rank,
+            deterministic=True,
+        )
+        if train_config.accumulation_steps > 1:
+            dataset = dataset.batch(train_config.accumulation_steps, drop_remainder=True)
+        return iter(dataset)
+
+    iterator = train_batches(train_config.seed)
+
+    # Checkpoints: the chief saves model, optimizer, step and dropout state;
+    # every worker saves its own data position beside them.
     step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
     checkpointer = Checkpointer(
         out,
@@ -157,10 +218,25 @@ def train(train_config, model_overrides, distribution):
         model=model,
         optimizer=optimizer,
         step=step,
+        rng=_seed_generator_states(model),
     )
-    resumed_from = checkpointer.restore_latest() if train_config.resume else None
-    if resumed_from:
-        report.info(f"resumed from {resumed_from} at step {int(step)}")
+    data_directory = os.path.join(
+        out, "data", f"rank-{distribution.rank:05d}-of-{distribution.size:05d}"
+    )
+    if train_config.resume and checkpointer.latest:
+        checkpointer.restore_latest()
+        data_path = os.path.join(data_directory, f"ckpt-{int(step)}")
+        if os.path.exists(data_path + ".index"):
+            tf.train.Checkpoint(iterator=iterator).restore(data_path).assert_existing_objects_matched()
+            position = "the next unseen batch"
+        else:
+            # Another worker count than the saved run: no position to take over.
+            iterator = train_batches(train_config.seed + int(step))
+            position = f"data reshuffled (no position saved for {distribution.size} worker(s))"
+        report.info(f"resumed from {checkpointer.latest} at step {int(step)}, {position}")
+    data_checkpointer = Checkpointer(
+        data_directory, True, keep=train_config.keep_checkpoints, iterator=iterator
+    )
     checkpointer.write_run_files(
         {
             "model": dataclasses.asdict(model_config),
@@ -175,54 +251,83 @@ def train(train_config, model_overrides, distribution):
     # examples had to wait until after it for the slots to exist).
     distribution.broadcast_variables(model.variables + optimizer.variables + [step])
 
-    # Data: each worker reads its own part; a resumed run reshuffles with a
-    # different seed rather than replaying the batches it already saw.
-    start = int(step)
-    dataset = reader.make_dataset(
-        train_config.data,
-        "train",
-        train_config.batch_size,
-        seed=train_config.seed + start,
-        num_shards=distribution.size,
-        shard_index=distribution.rank,
+    def save(at_step, last_loss):
+        if not math.isfinite(last_loss):
+            raise TrainingDiverged(
+                f"loss is {last_loss} at step {at_step}; not saving it over the last "
+                f"good checkpoint ({checkpointer.latest})"
+            )
+        # Data positions first, so that a model checkpoint on disk always
+        # has the data positions of every worker for the same step.
+        data_checkpointer.save(at_step)
+        distribution.allreduce_mean(tf.constant(0.0))  # barrier
+        path = checkpointer.save(at_step)
+        if int(os.environ.get(_KILL_AFTER_SAVE, "-1")) == at_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return path
+
+    # MFU: the model's FLOPs against this worker's peak.
+    flops_per_token = flops.flops_per_token(model, sequence_length)
+    peak = train_config.peak_flops or flops.measure_matmul_peak(
+        "float32" if train_config.mixed_precision == "off" else train_config.mixed_precision
+    )
+    report.info(
+        f"MFU basis: {flops_per_token / 1e6:.1f} MFLOP per token (6N + 12 L C T), "
+        f"peak {peak / 1e9:.1f} GFLOP/s per worker "
+        f"({'given' if train_config.peak_flops else 'measured: 2048^2 matmul chain'})"
     )
 
     # Loop.
-    tokens_per_step = world_batch * sequence_length
-    metrics = {}
-    window_start, window_steps, window_loss = time.perf_counter(), 0, 0.0
-    iterator = batches_naming_bad_shards(dataset, train_config.data, "train")
+    start = int(step)
+    batches = batches_naming_bad_shards(iterator, train_config.data, "train")
+    tokens_per_step = global_batch * sequence_length
+    metrics, mean_loss = {}, float("nan")
+    window_start, window_steps, window_sums = time.perf_counter(), 0, {}
     for current in range(start, train_config.steps):
-        inputs, targets = next(iterator)
-        loss, gradient_norm = train_step(inputs, targets)
+        step_metrics = train_step(next(batches))
         step.assign(current + 1)
-        window_loss += loss
+        window_sums = {
+            name: window_sums.get(name, 0.0) + value for name, value in step_metrics.items()
+        }
         window_steps += 1
         last = current + 1 == train_config.steps
-        if (current + 1) % train_config.log_every == 0 or last or current == start:
-            mean_loss = float(distribution.allreduce_mean(window_loss / window_steps))
+        # Windows end at multiples of log_every (and at step 1), so a resumed
+        # run logs the same averages as an uninterrupted one.
+        if (current + 1) % train_config.log_every == 0 or last or current == 0:
+            mean_loss = float(distribution.allreduce_mean(window_sums["loss"] / window_steps))
             if not math.isfinite(mean_loss):
                 raise TrainingDiverged(
-                    f"loss is {mean_loss} at step {current + 1}; nothing was saved "
-                    f"after the last good checkpoint ({checkpointer.latest})"
+                    f"loss is {mean_loss} at step {current + 1}; stopping without saving "
+                    f"(last good checkpoint: {checkpointer.latest})"
                 )
             elapsed = time.perf_counter() - window_start
             metrics = {
                 "loss": mean_loss,
                 "perplexity": math.exp(min(mean_loss, 50.0)),
                 "learning_rate": float(optimizer.learning_rate),
-                "gradient_norm": float(gradient_norm),
+                "gradient_norm": float(step_metrics["gradient_norm"]),
             }
+            if train_config.mixed_precision == "float16":
+                metrics["loss_scale"] = float(optimizer.dynamic_scale)
+                metrics["skipped_steps"] = float(
+                    (current + 1) - int(optimizer.inner_optimizer.iterations)
+                )
             # The first step includes tracing and compilation: no rate for it.
-            if current > start:
-                metrics["tokens_per_second"] = tokens_per_step * window_steps / elapsed
+            if current + 1 - window_steps > start:
+                tokens_per_second = tokens_per_step * window_steps / elapsed
+                metrics["tokens_per_second"] = tokens_per_second
+                metrics["sequences_per_second"] = tokens_per_second / sequence_length
+                metrics["mfu"] = (
+                    flops_per_token * tokens_per_second / distribution.size / peak
+                )
             report.scalars(current + 1, metrics)
-            window_start, window_steps, window_loss = time.perf_counter(), 0, 0.0
+            window_start, window_steps, window_sums = time.perf_counter(), 0, {}
         if train_config.save_every and (current + 1) % train_config.save_every == 0 and not last:
-            checkpointer.save(current + 1)
-    saved = checkpointer.save(int(step))
-    if saved:
-        report.info(f"saved {saved}")
+            save(current + 1, float(step_metrics["loss"]))
+    if int(step) > start or not checkpointer.latest:
+        saved_path = save(int(step), mean_loss)
+        if saved_path:
+            report.info(f"saved {saved_path}")
 
     # Validation.
     validation = reader.make_dataset(
