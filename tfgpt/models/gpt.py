@@ -5,6 +5,7 @@ import dataclasses
 import keras
 import tensorflow as tf
 
+from tfgpt import generation
 from tfgpt.config import GPTConfig, validate_gpt_config
 from tfgpt.layers.token_and_position_embedding import TokenAndPositionEmbedding
 from tfgpt.layers.transformer_block import TransformerBlock
@@ -193,6 +194,53 @@ class GPT(keras.Model):
             )  # (V, C)
             logits = tf.matmul(x, embedding, transpose_b=True)  # (B, T, V)
         return tf.cast(logits, "float32")
+
+    def generate(
+        self,
+        prompt_ids,
+        max_new_tokens,
+        temperature=0.0,
+        top_k=0,
+        top_p=1.0,
+        seed=None,
+        stop_token_ids=None,
+        padding_mask=None,
+        use_cache=True,
+        jit_compile=False,
+        return_logits=False,
+    ):
+        """Returns up to `max_new_tokens` new ids after each prompt.
+
+        Greedy by default; `temperature > 0` samples, optionally with `top_k`
+        and `top_p` filters, reproducibly given `seed`. `prompt_ids` is a
+        list of lists of ids (rows may differ in length), a RaggedTensor or a
+        2-D array with an optional `padding_mask`. A row ends at the first of
+        `stop_token_ids`, which is not returned. Uses the key/value cache and
+        one compiled decode loop; see `tfgpt.generation.generate`.
+
+        Returns:
+            list of lists of int, one per prompt (with `return_logits`, also
+            the (B, N, V) logits of every step).
+
+        Example:
+        >>> model = GPT.from_preset("gpt-demo", num_layers=2)
+        >>> len(model.generate([[1, 2, 3]], max_new_tokens=5)[0])
+        5
+        """
+        return generation.generate(
+            self,
+            prompt_ids,
+            max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+            stop_token_ids=stop_token_ids,
+            padding_mask=padding_mask,
+            use_cache=use_cache,
+            jit_compile=jit_compile,
+            return_logits=return_logits,
+        )
 
     def _trackable_children(self, save_type="checkpoint", **kwargs):
         children = super()._trackable_children(save_type, **kwargs)
