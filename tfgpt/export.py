@@ -1,0 +1,218 @@
+"""Export a GPT and its tokenizer as a TensorFlow SavedModel for serving.
+
+Usage:
+    python -m tfgpt.export --checkpoint runs/demo --output exported/demo \\
+        --max-new-tokens 64 [--temperature 0.8 --top-k 40 --top-p 0.95 --seed 1]
+
+The SavedModel has two signatures:
+
+- `serving_default` (also `generate`): `prompts`, tf.string (B,) ->
+  `completions` tf.string (B,) (the generated text only), `texts` tf.string
+  (B,) (prompt and completion decoded together), `token_ids` int32 (B, N)
+  (new ids; the stop token, if one was generated, then -1) and `lengths`
+  int32 (B,) (new ids before the stop token). Tokenization and
+  detokenization are TensorFlow ops inside the graph.
+- `logits`: `token_ids` int32 (B, T) -> `logits` float32 (B, T, V), the
+  model's forward pass. Right padding needs no mask: position t only sees
+  positions <= t.
+
+The decoding settings are baked in at export time: N = `max_new_tokens`,
+`temperature`, `top_k`, `top_p`, `seed` (a sampled export gives the same
+completion for the same prompt; export with another seed for another
+stream) and the stop token (the tokenizer's end-of-text id unless
+`stop_at_eos=False`). Prompts longer than `max_sequence_length -
+max_new_tokens` tokens keep their last tokens; an empty prompt starts from
+the end-of-text id (or id 0 if the tokenizer has none).
+
+Loading needs TensorFlow Text's ops registered first:
+    import tensorflow_text  # noqa: F401
+    generator = tf.saved_model.load("exported/demo")
+    generator.signatures["serving_default"](prompts=tf.constant(["Hello"]))
+"""
+
+import argparse
+import sys
+
+import tensorflow as tf
+
+from tfgpt import generation
+
+
+class GenerationModule(tf.Module):
+    """The exported object: the model, the in-graph tokenizer and two functions.
+
+    Args:
+        model: a `tfgpt.GPT`.
+        tokenizer: a tokenizer with `tf_tokenizer()` (a `BytePairTokenizer` or
+            `pipelines.tokenizer.Tokenizer`) and `eos_id`.
+        max_new_tokens: int. New tokens per prompt.
+        temperature, top_k, top_p, seed: the decoding settings of
+            `tfgpt.generation.generate` (`seed` must be an int here).
+        stop_at_eos: bool. End a row at the tokenizer's end-of-text id.
+        jit_compile: bool. Compile the decode loop (not the tokenizer) with XLA.
+    """
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        max_new_tokens,
+        temperature=0.0,
+        top_k=0,
+        top_p=1.0,
+        seed=0,
+        stop_at_eos=True,
+        jit_compile=False,
+    ):
+        super().__init__(name="tfgpt_generator")
+        if seed is None:
+            raise ValueError("An export needs a fixed `seed`. Received: seed=None")
+        # A one-token prompt must fit with the new tokens.
+        generation._validate(model, [[0]], max_new_tokens, temperature, top_k, top_p, seed)
+        self.model = model
+        self.tokenizer = tokenizer.tf_tokenizer()
+        eos_id = tokenizer.eos_id if tokenizer.eos_id is not None else -1
+        self._start_id = max(eos_id, 0)
+        self._max_prompt_length = model.max_sequence_length - max_new_tokens
+        # Plain Python values captured by the closure, so that tf.Module does
+        # not wrap them as trackable lists.
+        top_k = min(int(top_k), model.vocabulary_size)
+        seed = [int(seed) % 2**31, 0]
+        stop_token_ids = [eos_id] if stop_at_eos and eos_id >= 0 else []
+
+        def run_decoder(token_ids, prompt_lengths):
+            return generation.decode(
+                self.model,
+                token_ids,
+                prompt_lengths,
+                int(max_new_tokens),
+                tf.constant(float(temperature)),
+                tf.constant(top_k),
+                tf.constant(float(top_p)),
+                tf.constant(seed, tf.int32),
+                tf.constant(stop_token_ids, tf.int32, shape=[len(stop_token_ids)]),
+            )
+
+        self._decode = tf.function(run_decoder, jit_compile=jit_compile, autograph=False)
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="prompts")])
+    def generate(self, prompts):
+        prompt_ids = self.tokenizer.tokenize(prompts)  # (B, None)
+        prompt_ids = tf.cast(_prepare_prompts(prompt_ids, self._max_prompt_length, self._start_id), tf.int32)
+        token_ids, prompt_lengths = _left_pad(prompt_ids)  # (B, P), (B,)
+        generated, lengths = self._decode(token_ids, prompt_lengths)  # (B, N), (B,)
+        new_ids = tf.RaggedTensor.from_tensor(generated, lengths=lengths)  # (B, None)
+        return {
+            "completions": self.tokenizer.detokenize(new_ids),
+            "texts": self.tokenizer.detokenize(tf.concat([prompt_ids, new_ids], axis=1)),
+            "token_ids": generated,
+            "lengths": lengths,
+        }
+
+    @tf.function(input_signature=[tf.TensorSpec([None, None], tf.int32, name="token_ids")])
+    def logits(self, token_ids):
+        return {"logits": self.model(token_ids)}
+
+
+def export(
+    model,
+    tokenizer,
+    directory,
+    max_new_tokens,
+    temperature=0.0,
+    top_k=0,
+    top_p=1.0,
+    seed=0,
+    stop_at_eos=True,
+    jit_compile=False,
+):
+    """Writes the SavedModel described in the module docstring to `directory`.
+
+    Returns the exported `GenerationModule`, whose `generate(prompts)` and
+    `logits(token_ids)` can also be called directly in Python.
+    """
+    module = GenerationModule(
+        model,
+        tokenizer,
+        max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        stop_at_eos=stop_at_eos,
+        jit_compile=jit_compile,
+    )
+    generate = module.generate.get_concrete_function()
+    tf.saved_model.save(
+        module,
+        directory,
+        signatures={
+            "serving_default": generate,
+            "generate": generate,
+            "logits": module.logits.get_concrete_function(),
+        },
+    )
+    return module
+
+
+def _prepare_prompts(prompt_ids, max_length, start_id):
+    """Keeps each row's last `max_length` ids; an empty row becomes [start_id]."""
+    lengths = prompt_ids.row_lengths()  # (B,)
+    kept = tf.minimum(lengths, max_length)
+    starts = prompt_ids.row_starts() + lengths - kept
+    indices = tf.ragged.range(starts, starts + kept)  # (B, None)
+    prompt_ids = tf.gather(prompt_ids.flat_values, indices)
+    empty = tf.cast(kept == 0, tf.int64)
+    start = tf.RaggedTensor.from_row_lengths(
+        tf.fill([tf.reduce_sum(empty)], tf.cast(start_id, prompt_ids.dtype)), empty
+    )
+    return tf.concat([start, prompt_ids], axis=1)
+
+
+def _left_pad(prompt_ids):
+    """Ragged (B, None) ids -> left-padded (B, P) int32 and lengths (B,) int32."""
+    lengths = tf.cast(prompt_ids.row_lengths(), tf.int32)
+    right_padded = prompt_ids.to_tensor(0)  # (B, P)
+    width = tf.shape(right_padded)[1]
+    source = tf.range(width)[tf.newaxis, :] - (width - lengths)[:, tf.newaxis]  # (B, P)
+    left_padded = tf.gather(right_padded, tf.maximum(source, 0), batch_dims=1)
+    return tf.where(source >= 0, left_padded, 0), lengths
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        prog="python -m tfgpt.export", description="Export a checkpoint as a SavedModel."
+    )
+    parser.add_argument("--checkpoint", required=True, help="run or GPT-2 directory")
+    parser.add_argument("--output", required=True, help="SavedModel directory to write")
+    parser.add_argument("--max-new-tokens", type=int, required=True)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--xla", action="store_true")
+    args = parser.parse_args(argv)
+
+    from tfgpt.checkpoint import load_model
+
+    model, tokenizer = load_model(args.checkpoint)
+    if tokenizer is None:
+        raise ValueError(f"No tokenizer in {args.checkpoint}: an export needs one")
+    export(
+        model,
+        tokenizer,
+        args.output,
+        args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop_at_eos=not args.ignore_eos,
+        jit_compile=args.xla,
+    )
+    print(f"wrote {args.output}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
