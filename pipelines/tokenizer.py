@@ -18,6 +18,20 @@ and these fixed choices:
   a space). Newlines, tabs and runs of spaces are kept.
 - Digits are split into single-digit pieces and whitespace-only pieces (code
   indentation) are allowed.
+- Model type: BPE by default, or unigram (Kudo 2018) with `model_type="unigram"`.
+- Encoder (BERT/ALBERT) tokenizers, `encoder_special_tokens=True`, also
+  reserve `[CLS]` = 3, `[SEP]` = 4 and `[MASK]` = 5 as control pieces (never
+  produced by `encode`, even for the literal text "[MASK]"); the byte pieces
+  then take ids 6 to 261. The ids are the same for the WordPiece tokenizer
+  (`pipelines.wordpiece_tokenizer`), so data and models do not care which
+  tokenizer made them.
+
+`Tokenizer.load(path)` accepts a `tokenizer.model` file, a WordPiece
+`vocab.txt`, or a directory holding either (a prepared data directory, to
+reuse its tokenizer), and returns a `Tokenizer` or a `WordPieceTokenizer`:
+both have `encode`, `encode_batch`, `decode`, `vocabulary_size`, the special
+ids (`pad_id`, `unk_id`, `eos_id`, `bos_id`, `cls_id`, `sep_id`, `mask_id`;
+-1 when absent), `settings()`, `save(directory)` and `tf_tokenizer()`.
 
 Example:
 
@@ -42,6 +56,12 @@ BOS_ID = -1  # Disabled: documents are separated by EOS only.
 PAD_PIECE = "<pad>"
 UNK_PIECE = "<unk>"
 EOS_PIECE = "<|endoftext|>"
+CLS_PIECE = "[CLS]"
+SEP_PIECE = "[SEP]"
+MASK_PIECE = "[MASK]"
+ENCODER_SPECIAL_PIECES = (CLS_PIECE, SEP_PIECE, MASK_PIECE)  # Ids 3, 4, 5.
+MODEL_FILENAME = "tokenizer.model"
+MODEL_TYPES = ("bpe", "unigram")
 
 NUMBER_OF_BYTE_PIECES = 256
 NUMBER_OF_SPECIAL_PIECES = 3  # pad, unk, eos.
@@ -83,16 +103,38 @@ class Tokenizer:
         except Exception as error:  # SentencePiece raises RuntimeError/OSError.
             raise ValueError(f"`model_proto` is not a valid SentencePiece model: {error}") from None
 
+    filename = MODEL_FILENAME
+
     @classmethod
-    def load(cls, path: str) -> "Tokenizer":
-        """Load a tokenizer from a `tokenizer.model` file.
+    def load(cls, path: str):
+        """Load a tokenizer from a file or a directory.
 
         Args:
-            path: str. Path of a SentencePiece model file.
+            path: str. A SentencePiece model file, a WordPiece `vocab.txt`, or
+                a directory holding `tokenizer.model` or `vocab.txt` (e.g. a
+                prepared data directory).
 
         Returns:
-            Tokenizer.
+            Tokenizer, or `pipelines.wordpiece_tokenizer.WordPieceTokenizer`
+            for a WordPiece vocabulary.
         """
+        from pipelines import wordpiece_tokenizer
+
+        if os.path.isdir(path):
+            model_path = os.path.join(path, MODEL_FILENAME)
+            vocabulary_path = os.path.join(path, wordpiece_tokenizer.VOCABULARY_FILENAME)
+            if os.path.exists(model_path):
+                path = model_path
+            elif os.path.exists(vocabulary_path):
+                return wordpiece_tokenizer.WordPieceTokenizer.load(vocabulary_path)
+            else:
+                raise ValueError(
+                    f"Cannot find a tokenizer in a directory: it holds neither "
+                    f"{MODEL_FILENAME} nor {wordpiece_tokenizer.VOCABULARY_FILENAME}. "
+                    f"Received: path={path!r}"
+                )
+        elif path.endswith(".txt"):
+            return wordpiece_tokenizer.WordPieceTokenizer.load(path)
         try:
             with open(path, "rb") as model_file:
                 model_proto = model_file.read()
@@ -134,6 +176,37 @@ class Tokenizer:
     def bos_id(self) -> int:
         """int. Beginning-of-sequence id; -1 (disabled) for tfgpt tokenizers."""
         return self._processor.bos_id()
+
+    def _control_id(self, piece: str) -> int:
+        token_id = self._processor.PieceToId(piece)
+        return token_id if self._processor.IsControl(token_id) and token_id != self.eos_id else -1
+
+    @property
+    def cls_id(self) -> int:
+        """int. `[CLS]` id (3) of encoder tokenizers; -1 if absent."""
+        return self._control_id(CLS_PIECE)
+
+    @property
+    def sep_id(self) -> int:
+        """int. `[SEP]` id (4) of encoder tokenizers; -1 if absent."""
+        return self._control_id(SEP_PIECE)
+
+    @property
+    def mask_id(self) -> int:
+        """int. `[MASK]` id (5) of encoder tokenizers; -1 if absent."""
+        return self._control_id(MASK_PIECE)
+
+    def special_ids(self) -> List[int]:
+        """list of int. Every id that is not text: pad, unk, eos, bos, cls, sep, mask (present ones)."""
+        ids = [self.pad_id, self.unk_id, self.eos_id, self.bos_id]
+        ids += [self.cls_id, self.sep_id, self.mask_id]
+        return sorted({token_id for token_id in ids if token_id >= 0})
+
+    def save(self, directory: str) -> str:
+        """Write `tokenizer.model` into `directory` (atomically); returns its path."""
+        path = os.path.join(directory, MODEL_FILENAME)
+        _write_atomically(path, self._model_proto)
+        return path
 
     def settings(self) -> dict:
         """The model's type and text-handling settings, for manifests.
@@ -248,6 +321,11 @@ def _training_sentences(documents: Iterable[str]) -> Iterable[str]:
                 yield line[start : start + maximum_characters]
 
 
+def minimum_vocabulary_size(encoder_special_tokens: bool = False) -> int:
+    """Smallest SentencePiece vocabulary: specials + 256 byte pieces + 1 learned piece."""
+    return MINIMUM_VOCABULARY_SIZE + (len(ENCODER_SPECIAL_PIECES) if encoder_special_tokens else 0)
+
+
 def train_tokenizer(
     documents: Iterable[str],
     vocabulary_size: int,
@@ -255,8 +333,10 @@ def train_tokenizer(
     *,
     num_threads: Optional[int] = None,
     character_coverage: float = 0.9995,
+    model_type: str = "bpe",
+    encoder_special_tokens: bool = False,
 ) -> Tokenizer:
-    """Train a SentencePiece BPE tokenizer and save it atomically.
+    """Train a SentencePiece BPE (or unigram) tokenizer and save it atomically.
 
     The caller chooses the training sample (`pipelines.prepare` caps it by
     bytes); every document given here is used.
@@ -273,6 +353,9 @@ def train_tokenizer(
         num_threads: int or None. Trainer threads; None uses every core.
         character_coverage: float. Fraction of characters (by frequency) that
             get their own piece; rarer characters use byte fallback.
+        model_type: str. "bpe" or "unigram".
+        encoder_special_tokens: bool. Reserve `[CLS]`, `[SEP]`, `[MASK]` (ids
+            3, 4, 5) for encoder pretraining; the minimum size grows by 3.
 
     Returns:
         Tokenizer. The trained tokenizer, already loaded.
@@ -281,12 +364,16 @@ def train_tokenizer(
         raise ValueError(
             f"`vocabulary_size` must be an int. Received: vocabulary_size={vocabulary_size!r}"
         )
-    if vocabulary_size < MINIMUM_VOCABULARY_SIZE:
+    minimum = minimum_vocabulary_size(encoder_special_tokens)
+    if vocabulary_size < minimum:
+        specials = minimum - NUMBER_OF_BYTE_PIECES - 1
         raise ValueError(
-            f"`vocabulary_size` must be at least {MINIMUM_VOCABULARY_SIZE} "
-            f"({NUMBER_OF_SPECIAL_PIECES} special pieces + {NUMBER_OF_BYTE_PIECES} "
+            f"`vocabulary_size` must be at least {minimum} "
+            f"({specials} special pieces + {NUMBER_OF_BYTE_PIECES} "
             f"byte-fallback pieces + 1). Received: vocabulary_size={vocabulary_size}"
         )
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"`model_type` must be one of {MODEL_TYPES}. Received: model_type={model_type!r}")
     if not 0.0 < character_coverage <= 1.0:
         raise ValueError(
             "`character_coverage` must be in (0, 1]. "
@@ -304,8 +391,9 @@ def train_tokenizer(
         sentencepiece.SentencePieceTrainer.Train(
             sentence_iterator=iter(sentences),
             model_writer=model_buffer,
-            model_type="bpe",
+            model_type=model_type,
             vocab_size=vocabulary_size,
+            control_symbols=list(ENCODER_SPECIAL_PIECES) if encoder_special_tokens else [],
             character_coverage=character_coverage,
             byte_fallback=True,
             normalization_rule_name="identity",
