@@ -72,7 +72,7 @@ SentencePiece tokenizers (records are framed by `pipelines.tfrecord`).
 Memory is bounded independently of the corpus size: the scan holds at most
 `(workers + 2) x --tokenizer-sample-bytes` of sampled text plus a 512 KiB
 histogram per worker; SentencePiece training needs roughly 10-20x the
-sample; encoding holds per worker one batch of at most 8 MiB of text
+sample; encoding holds per worker one batch of at most 2 MiB of text
 (`ENCODE_BATCH_BYTES`) and its token ids, and shards are streamed to disk.
 The largest single document must also fit. The main process keeps only
 per-chunk counts. (WordPiece adds TensorFlow, about 0.6 GB, per worker.)
@@ -172,7 +172,7 @@ SPLIT_HASH_BINS = 1 << 16
 # Documents are encoded in batches of this many documents or bytes, whichever
 # comes first, so SentencePiece has work and memory stays bounded.
 ENCODE_BATCH_DOCUMENTS = 1024
-ENCODE_BATCH_BYTES = 8 << 20
+ENCODE_BATCH_BYTES = 2 << 20
 PROGRESS_INTERVAL_SECONDS = 10.0
 INTERACTIVE_PROGRESS_INTERVAL_SECONDS = 0.5
 

@@ -14,6 +14,25 @@ every worker reads all files in the same deterministic order and keeps records
 cover the split. Workers may then hold different numbers of records;
 `steps_per_epoch` returns the number of full batches every worker can make.
 
+Equal steps: a worker that runs out of batches first would leave the others
+waiting forever in the next allreduce. With `equal_steps=True` (the default
+when `repeat=True`) every worker's epoch is cut to the same
+`steps_per_epoch * batch_size` records, taken after the record shuffle, so a
+different surplus is left out each epoch and epochs stay aligned across
+workers. With `repeat=False` the default is one full pass over this worker's
+records (evaluation loops that sum and allreduce once at the end); pass
+`equal_steps=True` when each step has a collective.
+
+Exact resume: every pipeline here is made of checkpointable tf.data
+transformations only (no `py_function`; shuffle buffers hold at most
+`shuffle_buffer` serialized records), so `tf.train.Checkpoint(iterator=
+iter(dataset))` saves the position, the shuffle buffers and the random state;
+restoring it into a fresh iterator over a freshly built identical dataset
+continues with the next unseen batch. With `deterministic=True` those
+batches are exactly the ones an uninterrupted iterator would have produced;
+with `deterministic=False` the parallel interleave may change the order,
+but no record of the epoch is repeated or lost.
+
 Corrupted shards: TensorFlow's `DataLossError` ("corrupted record at 244")
 does not say which file is broken, and tf.data has no way to catch and
 re-raise an error inside a pipeline. So `make_dataset` checks, before
@@ -21,7 +40,16 @@ building the pipeline, that every shard exists and has the exact byte size the
 manifest recorded (catches truncated, partially copied and appended-to files;
 costs one `stat` per shard), and with `verify_checksums=True` also compares
 SHA-256 digests (catches any corruption; costs one full read). Both raise
-`DataError` naming the file. `verify_shards` runs the full check on its own.
+`DataError` naming the file. `verify_shards` runs the full check on its own
+and names the first unreadable record (call it on a `DataLossError`, as
+`tfgpt.training.trainer` does). With `skip_corrupt=True` a worker checks
+its shards' checksums first, leaves out the corrupted ones with a
+`CorruptShardWarning` that counts them and their records, and (with equal
+steps) fills its epoch from its intact shards so every worker still runs the
+same number of steps.
+
+Compression: GZIP shards (`prepare --compression gzip`) are read with
+`compression_type="GZIP"`, taken from the manifest.
 
 Example:
 
@@ -34,6 +62,7 @@ TensorShape([8, 128])
 import hashlib
 import json
 import os
+import warnings
 from typing import List, Optional, Tuple
 
 import tensorflow as tf
@@ -41,8 +70,14 @@ import tensorflow as tf
 from pipelines.errors import DataError
 
 MANIFEST_FILENAME = "manifest.json"
-SUPPORTED_FORMAT_VERSIONS = (1,)
+SUPPORTED_FORMAT_VERSIONS = (1, 2)
+PACKED_FORMAT = "tfgpt-packed-tokens"
+ENCODER_FORMAT = "tfgpt-encoder-segments"
 DEFAULT_SHUFFLE_BUFFER = 10_000
+
+
+class CorruptShardWarning(UserWarning):
+    """Shards left out by `skip_corrupt=True`; the message counts them and their records."""
 
 
 def load_manifest(data_dir: str) -> dict:
@@ -178,7 +213,42 @@ def steps_per_epoch(data_dir: str, split: str, batch_size: int, num_workers: int
     return steps
 
 
-def _check_shard_files(data_dir: str, shards: List[dict], verify_checksums: bool) -> None:
+def first_unreadable_record(path: str, compression: Optional[str] = None) -> str:
+    """Describe where TFRecord reading of `path` first fails, e.g. "record 17".
+
+    Returns:
+        str. "record N (...error...)" with N counted from 0, or "no unreadable
+        record" if every record reads (the damage is elsewhere, e.g. extra
+        bytes at the end).
+    """
+    count = 0
+    try:
+        for _ in tf.data.TFRecordDataset(path, compression_type=compression or ""):
+            count += 1
+    except (tf.errors.DataLossError, tf.errors.OutOfRangeError) as error:
+        reason = error.message.strip().splitlines()[0] if error.message else type(error).__name__
+        return f"record {count} ({reason})"
+    return f"no unreadable record among {count}"
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with tf.io.gfile.GFile(path, "rb") as shard_file:
+        while True:
+            block = shard_file.read(8 << 20)
+            if not block:
+                break
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _check_shard_files(
+    data_dir: str,
+    shards: List[dict],
+    verify_checksums: bool,
+    compression: Optional[str] = None,
+    locate_records: bool = False,
+) -> None:
     """Raise DataError naming the first missing, resized or (optionally) altered shard."""
     for shard in shards:
         path = os.path.join(data_dir, shard["filename"])
@@ -186,31 +256,28 @@ def _check_shard_files(data_dir: str, shards: List[dict], verify_checksums: bool
             raise DataError(f"{path}: shard listed in {MANIFEST_FILENAME} is missing")
         size = tf.io.gfile.stat(path).length
         if size != shard["bytes"]:
+            where = f"; reading fails at {first_unreadable_record(path, compression)}" if locate_records else ""
             raise DataError(
                 f"{path}: shard is corrupted or truncated: {size} bytes on disk, "
-                f"{shard['bytes']} in {MANIFEST_FILENAME}"
+                f"{shard['bytes']} in {MANIFEST_FILENAME}{where}"
             )
     if verify_checksums:
         for shard in shards:
             path = os.path.join(data_dir, shard["filename"])
-            digest = hashlib.sha256()
-            with tf.io.gfile.GFile(path, "rb") as shard_file:
-                while True:
-                    chunk = shard_file.read(8 << 20)
-                    if not chunk:
-                        break
-                    digest.update(chunk)
-            if digest.hexdigest() != shard["sha256"]:
+            digest = _sha256(path)
+            if digest != shard["sha256"]:
+                where = f"; reading fails at {first_unreadable_record(path, compression)}" if locate_records else ""
                 raise DataError(
-                    f"{path}: shard is corrupted: sha256 {digest.hexdigest()} does not "
-                    f"match {shard['sha256']} in {MANIFEST_FILENAME}"
+                    f"{path}: shard is corrupted: sha256 {digest} does not "
+                    f"match {shard['sha256']} in {MANIFEST_FILENAME}{where}"
                 )
 
 
 def verify_shards(data_dir: str, split: Optional[str] = None) -> None:
     """Check every shard's presence, size and SHA-256 against the manifest.
 
-    Run it when training stops with a `DataLossError` to find the broken file.
+    Run it when training stops with a `DataLossError` to find the broken
+    file: the `DataError` names it and the first record that cannot be read.
 
     Args:
         data_dir: str. A prepared data directory.
@@ -223,7 +290,136 @@ def verify_shards(data_dir: str, split: Optional[str] = None) -> None:
         else [name for name, summary in manifest["splits"].items() if summary["shards"]]
     )
     for name in splits:
-        _check_shard_files(data_dir, _split_shards(manifest, name, data_dir), True)
+        _check_shard_files(
+            data_dir,
+            _split_shards(manifest, name, data_dir),
+            True,
+            manifest.get("compression"),
+            locate_records=True,
+        )
+
+
+def _validate_common(num_shards, shard_index, batch_size, shuffle_buffer) -> None:
+    _validate_workers(num_shards, shard_index)
+    _validate_batch_size(batch_size)
+    if (
+        isinstance(shuffle_buffer, bool)
+        or not isinstance(shuffle_buffer, int)
+        or shuffle_buffer < 1
+    ):
+        raise ValueError(
+            f"`shuffle_buffer` must be a positive int. Received: shuffle_buffer={shuffle_buffer!r}"
+        )
+
+
+def _check_format(manifest: dict, data_dir: str, expected: str, function: str) -> None:
+    found = manifest.get("format", PACKED_FORMAT)
+    if found != expected:
+        hint = (
+            "pipelines.encoder_data.make_encoder_dataset"
+            if found == ENCODER_FORMAT
+            else "pipelines.reader.make_dataset"
+        )
+        raise DataError(
+            f"{os.path.join(data_dir, MANIFEST_FILENAME)}: holds {found!r} records, "
+            f"{function} reads {expected!r} records (use {hint})"
+        )
+
+
+def worker_records(
+    manifest: dict,
+    data_dir: str,
+    split: str,
+    batch_size: int,
+    *,
+    shuffle: bool,
+    seed: int,
+    repeat: bool,
+    num_shards: int,
+    shard_index: int,
+    shuffle_buffer: int,
+    deterministic: bool,
+    equal_steps: Optional[bool],
+    verify_checksums: bool,
+    skip_corrupt: bool,
+) -> tf.data.Dataset:
+    """Serialized records for one worker: sharded, shuffled, cut to equal epochs, repeated.
+
+    The part of the pipeline every record format shares; see `make_dataset`
+    for the arguments. Returns a dataset of scalar tf.string records.
+    """
+    shards = _split_shards(manifest, split, data_dir)
+    compression = manifest.get("compression")
+    # Every listed file must be there (any worker finding a hole reports it);
+    # checksums only for the files this worker will actually read.
+    _check_shard_files(data_dir, shards, verify_checksums=False)
+    files, by_record = worker_shards(shards, num_shards, shard_index)
+    if equal_steps is None:
+        equal_steps = repeat
+    records_per_epoch = None
+    if equal_steps:
+        counts = records_per_worker(manifest, split, num_shards)
+        steps = min(counts) // batch_size
+        if steps < 1:
+            raise DataError(
+                f"{data_dir}: split {split!r} gives some worker only {min(counts)} record(s) "
+                f"with num_workers={num_shards}, fewer than batch_size={batch_size}"
+            )
+        records_per_epoch = steps * batch_size
+    skipped = []
+    if skip_corrupt:
+        intact = []
+        for shard in files:
+            path = os.path.join(data_dir, shard["filename"])
+            if _sha256(path) == shard["sha256"]:
+                intact.append(shard)
+            else:
+                skipped.append(shard)
+        if skipped:
+            lost = sum(shard["sequences"] for shard in skipped)
+            warnings.warn(
+                f"skipping {len(skipped)} corrupted shard(s) of {len(files)} "
+                f"({lost} record(s)) for worker {shard_index}: "
+                + ", ".join(os.path.join(data_dir, shard["filename"]) for shard in skipped),
+                CorruptShardWarning,
+                stacklevel=3,
+            )
+        if not intact:
+            raise DataError(
+                f"{data_dir}: every shard worker {shard_index} would read is corrupted: "
+                + ", ".join(shard["filename"] for shard in skipped)
+            )
+        files = intact
+    elif verify_checksums:
+        _check_shard_files(data_dir, files, verify_checksums=True, compression=compression)
+    paths = [os.path.join(data_dir, shard["filename"]) for shard in files]
+
+    dataset = tf.data.Dataset.from_tensor_slices(paths)
+    if shuffle:
+        # Same seed on every worker: with record-level sharding all workers must
+        # walk the files in the same order for `shard` to give disjoint records.
+        dataset = dataset.shuffle(len(paths), seed=seed, reshuffle_each_iteration=True)
+    dataset = dataset.interleave(
+        lambda path: tf.data.TFRecordDataset(path, compression_type=compression or ""),
+        cycle_length=min(len(paths), 16),
+        num_parallel_calls=tf.data.AUTOTUNE,
+        # Record sharding needs the same record order on every worker.
+        deterministic=deterministic or by_record,
+    )
+    if by_record:
+        # Applied before any record shuffle: workers split one common order.
+        dataset = dataset.shard(num_shards, shard_index)
+    if shuffle:
+        dataset = dataset.shuffle(shuffle_buffer, seed=seed, reshuffle_each_iteration=True)
+    if records_per_epoch is not None:
+        if skipped:
+            # Fewer records than the other workers: top the epoch up from
+            # this worker's intact shards so every worker runs as many steps.
+            dataset = dataset.repeat()
+        dataset = dataset.take(records_per_epoch)
+    if repeat:
+        dataset = dataset.repeat()
+    return dataset
 
 
 def make_dataset(
@@ -240,11 +436,14 @@ def make_dataset(
     shuffle_buffer: int = DEFAULT_SHUFFLE_BUFFER,
     deterministic: bool = False,
     verify_checksums: bool = False,
+    equal_steps: Optional[bool] = None,
+    skip_corrupt: bool = False,
 ) -> tf.data.Dataset:
     """Build the `(inputs, targets)` pipeline for one worker.
 
     Args:
-        data_dir: str. A directory written by `python -m pipelines.prepare`.
+        data_dir: str. A directory written by `python -m pipelines.prepare`
+            (packed format).
         split: str. "train" or "val".
         batch_size: int. Per-worker batch size (with `input_context`, pass
             `input_context.get_per_replica_batch_size(global_batch_size)`).
@@ -259,11 +458,16 @@ def make_dataset(
             `num_input_pipelines` and `input_pipeline_id` replace `num_shards`
             and `shard_index`.
         shuffle_buffer: int. Records held by the record shuffle.
-        deterministic: bool. Keep element order reproducible at some cost in
-            throughput. Forced on internally where record-level sharding needs
-            it for disjointness.
+        deterministic: bool. Keep element order reproducible (and a restored
+            iterator exact) at some cost in throughput. Forced on internally
+            where record-level sharding needs it for disjointness.
         verify_checksums: bool. Also hash this worker's shards and compare with
             the manifest before reading (a full read of the files).
+        equal_steps: bool or None. Cut every worker's epoch to the same
+            number of full batches (`steps_per_epoch`). None: True when
+            `repeat`, else False.
+        skip_corrupt: bool. Check this worker's shards' checksums and leave
+            out corrupted ones with a `CorruptShardWarning` instead of failing.
 
     Returns:
         tf.data.Dataset of `(inputs, targets)`, int32, each of shape
@@ -272,47 +476,27 @@ def make_dataset(
     if input_context is not None:
         num_shards = input_context.num_input_pipelines
         shard_index = input_context.input_pipeline_id
-    _validate_workers(num_shards, shard_index)
-    _validate_batch_size(batch_size)
-    if (
-        isinstance(shuffle_buffer, bool)
-        or not isinstance(shuffle_buffer, int)
-        or shuffle_buffer < 1
-    ):
-        raise ValueError(
-            f"`shuffle_buffer` must be a positive int. Received: shuffle_buffer={shuffle_buffer!r}"
-        )
-
+    _validate_common(num_shards, shard_index, batch_size, shuffle_buffer)
     manifest = load_manifest(data_dir)
-    shards = _split_shards(manifest, split, data_dir)
-    # Every listed file must be there (any worker finding a hole reports it);
-    # checksums only for the files this worker will actually read.
-    _check_shard_files(data_dir, shards, verify_checksums=False)
-    files, by_record = worker_shards(shards, num_shards, shard_index)
-    if verify_checksums:
-        _check_shard_files(data_dir, files, verify_checksums=True)
-    paths = [os.path.join(data_dir, shard["filename"]) for shard in files]
+    _check_format(manifest, data_dir, PACKED_FORMAT, "make_dataset")
+    dataset = worker_records(
+        manifest,
+        data_dir,
+        split,
+        batch_size,
+        shuffle=shuffle,
+        seed=seed,
+        repeat=repeat,
+        num_shards=num_shards,
+        shard_index=shard_index,
+        shuffle_buffer=shuffle_buffer,
+        deterministic=deterministic,
+        equal_steps=equal_steps,
+        verify_checksums=verify_checksums,
+        skip_corrupt=skip_corrupt,
+    )
     record_length = manifest["record_length"]
     feature_name = manifest["feature"]
-
-    dataset = tf.data.Dataset.from_tensor_slices(paths)
-    if shuffle:
-        # Same seed on every worker: with record-level sharding all workers must
-        # walk the files in the same order for `shard` to give disjoint records.
-        dataset = dataset.shuffle(len(paths), seed=seed, reshuffle_each_iteration=True)
-    dataset = dataset.interleave(
-        tf.data.TFRecordDataset,
-        cycle_length=min(len(paths), 16),
-        num_parallel_calls=tf.data.AUTOTUNE,
-        # Record sharding needs the same record order on every worker.
-        deterministic=deterministic or by_record,
-    )
-    if by_record:
-        dataset = dataset.shard(num_shards, shard_index)
-    if shuffle:
-        dataset = dataset.shuffle(shuffle_buffer, seed=seed, reshuffle_each_iteration=True)
-    if repeat:
-        dataset = dataset.repeat()
     dataset = dataset.batch(batch_size, drop_remainder=True)
 
     features = {feature_name: tf.io.FixedLenFeature([record_length], tf.int64)}

@@ -112,11 +112,18 @@ def serialize_records(records: np.ndarray, feature_name: str = "input_ids") -> L
     if records.size and records.min() < 0:
         raise ValueError(f"`records` must be non-negative. Received: minimum {records.min()}")
     packed, ends = _packed_varints(records)
+    # Everything before the packed values depends only on their byte length,
+    # and a batch has few distinct lengths: build each prefix once.
+    prefixes = {}
     serialized = []
     start = 0
     for end in ends:
-        features = _int64_feature_entry(feature_name, packed[start:end])
-        serialized.append(_length_delimited(0x0A, features))  # Example.features = 1
+        length = end - start
+        prefix = prefixes.get(length)
+        if prefix is None:
+            example = _length_delimited(0x0A, _int64_feature_entry(feature_name, b"\0" * length))
+            prefix = prefixes[length] = example[: len(example) - length]
+        serialized.append(prefix + packed[start:end])
         start = end
     return serialized
 
@@ -149,15 +156,18 @@ def masked_crc32c(data: bytes) -> int:
     return (((crc >> 15) | (crc << 17)) + _CRC_MASK_DELTA) & 0xFFFFFFFF
 
 
+_LENGTH_HEADERS = {}
+
+
 def frame_record(data: bytes) -> bytes:
     """One record in TFRecord framing."""
-    length = struct.pack("<Q", len(data))
-    return (
-        length
-        + struct.pack("<I", masked_crc32c(length))
-        + data
-        + struct.pack("<I", masked_crc32c(data))
-    )
+    header = _LENGTH_HEADERS.get(len(data))
+    if header is None:
+        length = struct.pack("<Q", len(data))
+        header = length + struct.pack("<I", masked_crc32c(length))
+        if len(_LENGTH_HEADERS) < 4096:
+            _LENGTH_HEADERS[len(data)] = header
+    return header + data + struct.pack("<I", masked_crc32c(data))
 
 
 class _HashingFile:
