@@ -210,6 +210,8 @@ class TrainConfig:
         mixed_precision: str. off, float16 (with dynamic loss scaling) or
             bfloat16. Variables stay float32 either way.
         seed: int. Seed for weights, dropout and data order.
+        shuffle: bool. Shuffle shards and records (seeded); off reads every
+            worker's part in file order.
         out: str. Output directory: checkpoints, config.json, TensorBoard
             scalars and metrics.jsonl.
         log_every: int. Steps between log lines.
@@ -242,6 +244,7 @@ class TrainConfig:
     xla: bool = False
     mixed_precision: str = "off"
     seed: int = 0
+    shuffle: bool = True
     out: str = "runs/gpt"
     log_every: int = 10
     save_every: int = 0

@@ -17,15 +17,21 @@ import os
 import keras
 import tensorflow as tf
 
+from tfgpt.distributed.local import LocalDistribution
+
 _COMPRESSIONS = ("none", "fp16")
 
 
-class HorovodDistribution:
+class HorovodDistribution(LocalDistribution):
     """Data parallelism over the processes that `horovodrun` started.
 
     Args:
         compression: str. `"none"`, or `"fp16"` to send gradients as
             float16 over the wire (halves allreduce traffic).
+
+    Each process is one worker with one replica: `scope()`, `run()` and
+    `distribute_dataset()` are the single-process ones, with this rank's
+    part of the data.
 
     Example (under `horovodrun -np 2 python script.py`):
     >>> distribution = HorovodDistribution()
@@ -50,6 +56,7 @@ class HorovodDistribution:
         hvd.init()
         self.rank = hvd.rank()
         self.size = hvd.size()
+        self.num_workers = self.size
         self.local_rank = hvd.local_rank()
         self.local_size = hvd.local_size()
         self.is_chief = self.rank == 0

@@ -1,14 +1,46 @@
-"""A single process: every collective is the identity."""
+"""A single process on its default device: every collective is the identity."""
+
+import contextlib
+
+import tensorflow as tf
 
 
 class LocalDistribution:
-    """One worker; nothing to average or broadcast."""
+    """One worker, one replica; nothing to average or broadcast.
+
+    The interface every distribution offers the trainer core:
+    `rank`, `size` (replicas in sync), `is_chief`, `scope()`,
+    `distribute_dataset(fn)`, `run(fn, batch)`, `allreduce_gradients`,
+    `allreduce_mean`, `broadcast_variables` and `configure_optimizer`.
+    """
 
     rank = 0
     size = 1
+    num_workers = 1
     local_rank = 0
     local_size = 1
     is_chief = True
+    saves_collectively = False
+
+    def scope(self):
+        return contextlib.nullcontext()
+
+    def input_context(self):
+        return tf.distribute.InputContext(
+            num_input_pipelines=self.num_workers,
+            input_pipeline_id=self.rank,
+            num_replicas_in_sync=self.size,
+        )
+
+    def distribute_dataset(self, dataset_fn):
+        """Builds this worker's dataset from `dataset_fn(input_context)`."""
+        return dataset_fn(self.input_context())
+
+    def run(self, replica_fn, batch):
+        return replica_fn(batch)
+
+    def configure_optimizer(self, optimizer):
+        return optimizer
 
     def allreduce_gradients(self, gradients):
         return gradients

@@ -41,16 +41,27 @@ class Checkpointer:
         directory: str. The run's output directory.
         is_chief: bool. Whether this worker writes.
         keep: int. Checkpoints kept.
+        collective: bool. Every worker must take part in a save
+            (tf.distribute multi-worker); non-chiefs write a scratch copy.
+        rank: int. This worker's index, naming its scratch directory.
         **trackables: what to save (model, optimizer, step, ...).
     """
 
-    def __init__(self, directory, is_chief, keep=3, **trackables):
+    def __init__(self, directory, is_chief, keep=3, collective=False, rank=0, **trackables):
         self.directory = directory
         self.is_chief = is_chief
+        self.collective = collective
         self.checkpoint = tf.train.Checkpoint(**trackables)
         self.manager = tf.train.CheckpointManager(
             self.checkpoint, directory, max_to_keep=keep, checkpoint_name="ckpt"
         )
+        if collective and not is_chief:
+            # tf.distribute's multi-worker saves need every worker; the
+            # others write to a scratch directory that is deleted after.
+            self._scratch = os.path.join(directory, f".worker-{rank}")
+            self._scratch_manager = tf.train.CheckpointManager(
+                self.checkpoint, self._scratch, max_to_keep=1, checkpoint_name="ckpt"
+            )
 
     @property
     def latest(self):
@@ -68,6 +79,9 @@ class Checkpointer:
     def save(self, step):
         if self.is_chief:
             return self.manager.save(checkpoint_number=int(step))
+        if self.collective:
+            self._scratch_manager.save(checkpoint_number=int(step))
+            shutil.rmtree(self._scratch, ignore_errors=True)
         return None
 
     def restore_latest(self):

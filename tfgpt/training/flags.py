@@ -47,16 +47,22 @@ def build_parser(description):
     return parser
 
 
-def parse_flags(argv=None, description="Train a GPT."):
+def parse_flags(argv=None, description="Train a GPT.", add_arguments=None):
     """Parses `argv` into `(TrainConfig, model_overrides)`.
 
     `model_overrides` holds only the model fields given as flags; the
     trainer applies them over the preset (and the data's vocabulary size).
     Invalid values exit with status 2 and one `error:` line naming the flag,
     before anything is built.
+
+    `add_arguments(parser)` may add a front end's own flags (and return
+    their names); their values are then returned as a third element, a
+    dict, after validation by `add_arguments`'s argparse types.
     """
     parser = build_parser(description)
+    extra_names = add_arguments(parser) if add_arguments else ()
     args = vars(parser.parse_args(argv))
+    extras = {name: args.pop(name) for name in extra_names}
     train_fields = {field.name for field in dataclasses.fields(TrainConfig)}
     train_args = {key: value for key, value in args.items() if key in train_fields}
     model_overrides = {
@@ -69,4 +75,6 @@ def parse_flags(argv=None, description="Train a GPT."):
         GPTConfig.from_preset(train_config.preset, **model_overrides)
     except ValueError as error:
         parser.error(str(error))
+    if add_arguments:
+        return train_config, model_overrides, extras
     return train_config, model_overrides

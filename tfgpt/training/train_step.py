@@ -49,7 +49,8 @@ class TrainStep:
     Args:
         model: keras.Model.
         optimizer: keras optimizer (LossScaleOptimizer under float16).
-        distribution: object with `allreduce_gradients`.
+        distribution: a `tfgpt.distributed` object: its `run` places the
+            step on the replicas and `allreduce_gradients` averages.
         loss_fn: callable `(model, batch, training) -> (loss, metrics)`;
             defaults to the causal language-model loss.
         xla: bool. JIT-compile the forward and backward pass.
@@ -76,7 +77,7 @@ class TrainStep:
         self.accumulation_steps = accumulation_steps
         self.variables = model.trainable_variables
         self._forward_backward = tf.function(self._forward_backward_fn, jit_compile=xla)
-        self._step = tf.function(self._step_fn)
+        self._step = tf.function(lambda batch: distribution.run(self._replica_step, batch))
 
     def _forward_backward_fn(self, batch):
         with tf.GradientTape() as tape:
@@ -108,7 +109,7 @@ class TrainStep:
             [g * scale for g in gradients],
         )
 
-    def _step_fn(self, batch):
+    def _replica_step(self, batch):
         loss, metrics, gradients = self._accumulate(batch)
         gradients = self.distribution.allreduce_gradients(gradients)
         gradient_norm = tf.linalg.global_norm(gradients)

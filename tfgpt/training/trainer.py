@@ -129,13 +129,14 @@ def _seed_generator_states(model):
 
 
 def _check_batch_sizes(train_config, manifest, distribution):
-    records = reader.records_per_worker(manifest, "train", distribution.size)
-    needed = train_config.batch_size * train_config.accumulation_steps
+    records = reader.records_per_worker(manifest, "train", distribution.num_workers)
+    replicas_per_worker = distribution.size // distribution.num_workers
+    needed = train_config.batch_size * train_config.accumulation_steps * replicas_per_worker
     if min(records) < needed:
         raise ValueError(
             f"--batch-size {train_config.batch_size} x --accumulation-steps "
             f"{train_config.accumulation_steps} needs {needed} training sequences per "
-            f"worker, but {train_config.data} gives some of the {distribution.size} "
+            f"worker, but {train_config.data} gives some of the {distribution.num_workers} "
             f"worker(s) only {min(records)}"
         )
 
@@ -168,8 +169,9 @@ def train(train_config, model_overrides, distribution):
     sequence_length = manifest["seq_len"]
     global_batch = train_config.batch_size * train_config.accumulation_steps * distribution.size
     report.info(
-        f"tfgpt: {distribution.size} worker(s), global batch {global_batch} x "
-        f"{sequence_length} tokens ({train_config.batch_size} per worker x "
+        f"tfgpt: {distribution.num_workers} worker(s), {distribution.size} replica(s), "
+        f"global batch {global_batch} x "
+        f"{sequence_length} tokens ({train_config.batch_size} per replica x "
         f"{train_config.accumulation_steps} accumulated), {train_config.steps} steps, "
         f"precision {train_config.mixed_precision}, xla {train_config.xla}"
     )
@@ -177,12 +179,15 @@ def train(train_config, model_overrides, distribution):
     # Model: identical initial weights everywhere (seeded, then broadcast).
     keras.utils.set_random_seed(train_config.seed)
     keras.config.set_dtype_policy(_POLICIES[train_config.mixed_precision])
-    model = GPT(**dataclasses.asdict(model_config))
+    with distribution.scope():
+        model = GPT(**dataclasses.asdict(model_config))
+        # Optimizer.
+        optimizer = distribution.configure_optimizer(
+            make_optimizer(train_config, distribution.size)
+        )
+        optimizer.build(model.trainable_variables)
+        step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
     report.info(f"model: {model.count_params():,} parameters {model_config}")
-
-    # Optimizer.
-    optimizer = make_optimizer(train_config, distribution.size)
-    optimizer.build(model.trainable_variables)
     train_step = TrainStep(
         model,
         optimizer,
@@ -192,57 +197,74 @@ def train(train_config, model_overrides, distribution):
     )
 
     # Data: each worker reads its own part, in an order fixed by the seed.
-    def train_batches(seed):
-        dataset = reader.make_dataset(
-            train_config.data,
-            "train",
-            train_config.batch_size,
-            seed=seed,
-            num_shards=distribution.size,
-            shard_index=distribution.rank,
-            deterministic=True,
-        )
-        if train_config.accumulation_steps > 1:
-            dataset = dataset.batch(train_config.accumulation_steps, drop_remainder=True)
-        return iter(dataset)
+    def train_batches(seed, skip=0):
+        def dataset_fn(input_context):
+            dataset = reader.make_dataset(
+                train_config.data,
+                "train",
+                train_config.batch_size,
+                shuffle=train_config.shuffle,
+                seed=seed,
+                input_context=input_context,
+                deterministic=True,
+            )
+            if train_config.accumulation_steps > 1:
+                dataset = dataset.batch(train_config.accumulation_steps, drop_remainder=True)
+            return dataset.skip(skip)
+
+        return iter(distribution.distribute_dataset(dataset_fn))
 
     iterator = train_batches(train_config.seed)
+    # A plain tf.data iterator checkpoints its position (O(1) to restore);
+    # tf.distribute's distributed iterators cannot, so those runs replay the
+    # seeded, deterministic stream and skip what was consumed.
+    iterator_checkpointable = isinstance(iterator, tf.__internal__.tracking.Trackable)
 
     # Checkpoints: the chief saves model, optimizer, step and dropout state;
     # every worker saves its own data position beside them.
-    step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
     checkpointer = Checkpointer(
         out,
         distribution.is_chief,
         keep=train_config.keep_checkpoints,
+        collective=distribution.saves_collectively,
+        rank=distribution.rank,
         model=model,
         optimizer=optimizer,
         step=step,
         rng=_seed_generator_states(model),
     )
     data_directory = os.path.join(
-        out, "data", f"rank-{distribution.rank:05d}-of-{distribution.size:05d}"
+        out, "data", f"worker-{distribution.rank:05d}-of-{distribution.num_workers:05d}"
     )
     if train_config.resume and checkpointer.latest:
         checkpointer.restore_latest()
-        data_path = os.path.join(data_directory, f"ckpt-{int(step)}")
-        if os.path.exists(data_path + ".index"):
+        data_path = os.path.join(data_directory, f"ckpt-{int(step.numpy())}")
+        replicas_per_worker = distribution.size // distribution.num_workers
+        if not iterator_checkpointable:
+            iterator = train_batches(train_config.seed, skip=int(step.numpy()) * replicas_per_worker)
+            position = "the next unseen batch (replayed)"
+        elif os.path.exists(data_path + ".index"):
             tf.train.Checkpoint(iterator=iterator).restore(data_path).assert_existing_objects_matched()
             position = "the next unseen batch"
         else:
             # Another worker count than the saved run: no position to take over.
-            iterator = train_batches(train_config.seed + int(step))
-            position = f"data reshuffled (no position saved for {distribution.size} worker(s))"
-        report.info(f"resumed from {checkpointer.latest} at step {int(step)}, {position}")
-    data_checkpointer = Checkpointer(
-        data_directory, True, keep=train_config.keep_checkpoints, iterator=iterator
+            iterator = train_batches(train_config.seed + int(step.numpy()))
+            position = (
+                f"data reshuffled (no position saved for {distribution.num_workers} worker(s))"
+            )
+        report.info(f"resumed from {checkpointer.latest} at step {int(step.numpy())}, {position}")
+    data_checkpointer = (
+        Checkpointer(data_directory, True, keep=train_config.keep_checkpoints, iterator=iterator)
+        if iterator_checkpointable
+        else None
     )
     checkpointer.write_run_files(
         {
             "model": dataclasses.asdict(model_config),
             "train": dataclasses.asdict(train_config),
             "data": {"seq_len": sequence_length, "directory": os.path.abspath(train_config.data)},
-            "workers": distribution.size,
+            "workers": distribution.num_workers,
+            "replicas": distribution.size,
         },
         tokenizer_path=tokenizer_path,
     )
@@ -259,8 +281,9 @@ def train(train_config, model_overrides, distribution):
             )
         # Data positions first, so that a model checkpoint on disk always
         # has the data positions of every worker for the same step.
-        data_checkpointer.save(at_step)
-        distribution.allreduce_mean(tf.constant(0.0))  # barrier
+        if data_checkpointer is not None:
+            data_checkpointer.save(at_step)
+            distribution.allreduce_mean(tf.constant(0.0))  # barrier
         path = checkpointer.save(at_step)
         if int(os.environ.get(_KILL_AFTER_SAVE, "-1")) == at_step:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -278,7 +301,7 @@ def train(train_config, model_overrides, distribution):
     )
 
     # Loop.
-    start = int(step)
+    start = int(step.numpy())
     batches = batches_naming_bad_shards(iterator, train_config.data, "train")
     tokens_per_step = global_batch * sequence_length
     metrics, mean_loss = {}, float("nan")
@@ -318,14 +341,14 @@ def train(train_config, model_overrides, distribution):
                 metrics["tokens_per_second"] = tokens_per_second
                 metrics["sequences_per_second"] = tokens_per_second / sequence_length
                 metrics["mfu"] = (
-                    flops_per_token * tokens_per_second / distribution.size / peak
+                    flops_per_token * tokens_per_second / distribution.num_workers / peak
                 )
             report.scalars(current + 1, metrics)
             window_start, window_steps, window_sums = time.perf_counter(), 0, {}
         if train_config.save_every and (current + 1) % train_config.save_every == 0 and not last:
             save(current + 1, float(step_metrics["loss"]))
-    if int(step) > start or not checkpointer.latest:
-        saved_path = save(int(step), mean_loss)
+    if int(step.numpy()) > start or not checkpointer.latest:
+        saved_path = save(int(step.numpy()), mean_loss)
         if saved_path:
             report.info(f"saved {saved_path}")
 
@@ -336,7 +359,7 @@ def train(train_config, model_overrides, distribution):
         train_config.batch_size,
         shuffle=False,
         repeat=False,
-        num_shards=distribution.size,
+        num_shards=distribution.num_workers,
         shard_index=distribution.rank,
     )
     val_loss, baseline = evaluate(
@@ -347,7 +370,7 @@ def train(train_config, model_overrides, distribution):
         model_config.vocabulary_size,
     )
     metrics.update(val_loss=val_loss, unigram_entropy=baseline)
-    report.scalars(int(step), {"loss": val_loss, "unigram_entropy": baseline}, prefix="val")
+    report.scalars(int(step.numpy()), {"loss": val_loss, "unigram_entropy": baseline}, prefix="val")
     report.info(
         f"validation loss {val_loss:.4f} nats/token (perplexity {math.exp(val_loss):.1f}); "
         f"unigram baseline {baseline:.4f}"

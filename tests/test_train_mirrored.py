@@ -1,0 +1,136 @@
+"""train_mirrored.py, and the same numbers from every front end."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.launch import REPO, horovodrun, run
+from tests.test_train_hvd import TINY_MODEL, _checkpoint_tensors, _train_losses, pattern_corpus
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.fixture(scope="module")
+def one_file_data(tmp_path_factory):
+    """One shard: two workers then split it by record, so an unshuffled
+    global batch holds the same sequences whatever the front end."""
+    from pipelines import prepare
+
+    root = tmp_path_factory.mktemp("data")
+    pattern_corpus(root / "corpus.txt")
+    out = root / "prepared"
+    assert prepare.main([
+        "--input", str(root / "corpus.txt"), "--output", str(out), "--seq-len", "16",
+        "--vocab-size", "300", "--val-fraction", "0.1",
+    ]) == 0
+    return out
+
+
+def _flags(data, out, batch_size, *extra):
+    return ["--data", data, "--out", out, "--steps", "6", "--log-every", "1",
+            "--batch-size", batch_size, "--learning-rate", "3e-3", "--warmup-steps", "0",
+            "--no-shuffle", "--no-scale-learning-rate", "--eval-batches", "2",
+            "--peak-flops", "1e11", *TINY_MODEL, *extra]
+
+
+def test_single_process_horovod_and_mirrored_give_the_same_losses(one_file_data, tmp_path):
+    """Global batch 8: 1 process x 8, 2 Horovod ranks x 4, 2 mirrored replicas x 4."""
+    code, output = run([sys.executable, REPO / "train_hvd.py",
+                        *_flags(one_file_data, tmp_path / "single", 8)])
+    assert code == 0, output
+    code, output = horovodrun(2, REPO / "train_hvd.py", *_flags(one_file_data, tmp_path / "hvd", 4))
+    assert code == 0, output
+    code, output = run([sys.executable, REPO / "train_mirrored.py", "--strategy", "mirrored",
+                        "--logical-cpus", "2", *_flags(one_file_data, tmp_path / "mirrored", 4)])
+    assert code == 0, output
+    assert "2 replica(s)" in output
+    single = _train_losses(tmp_path / "single")
+    assert sorted(single) == [1, 2, 3, 4, 5, 6]
+    # Float32 sums in another order: agreement to 1e-4 over 6 updates.
+    for name in ("hvd", "mirrored"):
+        other = _train_losses(tmp_path / name)
+        for step in single:
+            assert other[step] == pytest.approx(single[step], abs=1e-4), (name, step)
+    assert single[6] < single[1] - 0.1  # the steps did something
+
+
+def _free_ports(count):
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("localhost", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def test_two_multi_worker_mirrored_workers_end_with_identical_weights(one_file_data, tmp_path):
+    ports = _free_ports(2)
+    cluster = {"worker": [f"localhost:{port}" for port in ports]}
+    script = REPO / "tests" / "worker_scripts" / "mirrored_train_and_dump.py"
+    environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(REPO))
+    processes = []
+    for index in range(2):
+        env = dict(environment, TF_CONFIG=json.dumps({"cluster": cluster,
+                                                      "task": {"type": "worker", "index": index}}))
+        flags = _flags(one_file_data, tmp_path / "run", 4, "--strategy", "multi-worker")
+        flags[flags.index("--no-shuffle")] = "--shuffle"
+        processes.append(subprocess.Popen(
+            [sys.executable, script, tmp_path, *map(str, flags)], env=env, cwd=REPO,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        ))
+    outputs = []
+    try:
+        for process in processes:
+            outputs.append(process.communicate(timeout=300)[0])
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+    for process, output in zip(processes, outputs):
+        assert process.returncode == 0, output
+    workers = [np.load(tmp_path / f"worker-{index}.npz") for index in (0, 1)]
+    assert len(workers[0].files) > 10
+    for key in workers[0].files:
+        np.testing.assert_array_equal(workers[0][key], workers[1][key], err_msg=key)
+    losses = _train_losses(tmp_path / "run")
+    assert losses[6] < losses[1]
+    assert "2 worker(s), 2 replica(s)" in outputs[0]
+    # Only the chief keeps checkpoints; the other worker's scratch copy is gone.
+    assert (tmp_path / "run" / "ckpt-6.index").exists()
+    assert not list((tmp_path / "run").glob(".worker-*"))
+
+
+def test_mirrored_sigkill_and_resume_equals_an_uninterrupted_run(one_file_data, tmp_path):
+    def command(run_dir, *extra):
+        flags = _flags(one_file_data, run_dir, 4, "--save-every", "3", *extra)
+        flags[flags.index("--no-shuffle")] = "--shuffle"
+        flags[flags.index("--log-every") + 1] = "1"
+        return [sys.executable, REPO / "train_mirrored.py", "--strategy", "mirrored",
+                "--logical-cpus", "2", *flags]
+
+    code, output = run(command(tmp_path / "straight"))
+    assert code == 0, output
+    code, output = run(command(tmp_path / "killed"), env={"TFGPT_FAULT_KILL_AFTER_SAVE": "3"})
+    assert code != 0 and (tmp_path / "killed" / "ckpt-3.index").exists(), output
+    code, output = run(command(tmp_path / "killed", "--resume"))
+    assert code == 0, output
+    assert "next unseen batch (replayed)" in output
+    straight = _checkpoint_tensors(tmp_path / "straight" / "ckpt-6")
+    resumed = _checkpoint_tensors(tmp_path / "killed" / "ckpt-6")
+    assert straight.keys() == resumed.keys()
+    for name in straight:
+        np.testing.assert_array_equal(straight[name], resumed[name], err_msg=name)
+    assert _train_losses(tmp_path / "killed")[6] == _train_losses(tmp_path / "straight")[6]
+
+
+def test_fp16_allreduce_is_refused_by_the_mirrored_front_end(one_file_data, tmp_path):
+    code, output = run([sys.executable, REPO / "train_mirrored.py", "--fp16-allreduce",
+                        *_flags(one_file_data, tmp_path / "run", 4)])
+    assert code == 2 and "Horovod option" in output

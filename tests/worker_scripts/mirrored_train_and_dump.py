@@ -1,0 +1,35 @@
+"""One tf.distribute worker: train with train_mirrored's core, dump the weights.
+
+Usage: mirrored_train_and_dump.py OUT_DIR TRAIN_MIRRORED_FLAGS...
+(with TF_CONFIG set for multi-worker). Writes OUT_DIR/worker-R.npz.
+"""
+
+import sys
+
+import numpy as np
+
+import train_mirrored
+from tfgpt.training import trainer
+
+
+def main(out, argv):
+    dumped = {}
+    original = trainer.train
+
+    def train_and_keep(*args, **kwargs):
+        model, metrics = original(*args, **kwargs)
+        dumped["model"], dumped["rank"] = model, args[2].rank
+        return model, metrics
+
+    train_mirrored.train = train_and_keep
+    code = train_mirrored.main(argv)
+    if code:
+        sys.exit(code)
+    np.savez(
+        f"{out}/worker-{dumped['rank']}.npz",
+        **{f"weight_{i}": v.numpy() for i, v in enumerate(dumped["model"].weights)},
+    )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])

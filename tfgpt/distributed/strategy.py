@@ -1,0 +1,100 @@
+"""tf.distribute strategies behind the trainer core's distribution interface."""
+
+import tensorflow as tf
+
+from tfgpt.distributed.local import LocalDistribution
+
+STRATEGIES = ("default", "one-device", "mirrored", "multi-worker")
+
+
+def make_strategy(name):
+    """Returns the tf.distribute strategy called `name` (see STRATEGIES).
+
+    `multi-worker` reads the cluster from the `TF_CONFIG` environment
+    variable, one process per worker.
+    """
+    if name == "default":
+        return tf.distribute.get_strategy()
+    if name == "one-device":
+        gpus = tf.config.list_logical_devices("GPU")
+        return tf.distribute.OneDeviceStrategy(gpus[0].name if gpus else "/cpu:0")
+    if name == "mirrored":
+        gpus = tf.config.list_logical_devices("GPU")
+        cpus = tf.config.list_logical_devices("CPU")
+        # Without GPUs, every logical CPU device is a replica (tests split
+        # the CPU into several with tf.config.set_logical_device_configuration).
+        return tf.distribute.MirroredStrategy(
+            [d.name for d in gpus] if gpus else [d.name for d in cpus]
+        )
+    if name == "multi-worker":
+        return tf.distribute.MultiWorkerMirroredStrategy()
+    raise ValueError(f"`strategy` must be one of {STRATEGIES}. Received: strategy={name!r}")
+
+
+class StrategyDistribution(LocalDistribution):
+    """Data parallelism through a `tf.distribute.Strategy`.
+
+    Replicas average their gradients with the replica context's all-reduce
+    inside the compiled step, then clip and update: the same order as the
+    Horovod path, so both give the same numbers.
+
+    Args:
+        strategy: tf.distribute.Strategy.
+
+    Example:
+    >>> distribution = StrategyDistribution(make_strategy("mirrored"))
+    >>> distribution.size  # replicas in sync
+    1
+    """
+
+    def __init__(self, strategy):
+        self.strategy = strategy
+        self.size = strategy.num_replicas_in_sync
+        self.num_workers = getattr(strategy.extended, "_num_workers", 1)
+        resolver = getattr(strategy, "cluster_resolver", None)
+        task_id = resolver.task_id if resolver is not None and resolver.task_type else 0
+        self.rank = int(task_id or 0)
+        self.is_chief = self.rank == 0
+        # MultiWorkerMirrored: every worker takes part in a save (the chief's
+        # copy is kept), as tf.distribute's checkpointing requires.
+        self.saves_collectively = isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+
+    def scope(self):
+        return self.strategy.scope()
+
+    def distribute_dataset(self, dataset_fn):
+        return self.strategy.distribute_datasets_from_function(dataset_fn)
+
+    def run(self, replica_fn, batch):
+        results = self.strategy.run(replica_fn, args=(batch,))
+        return tf.nest.map_structure(
+            lambda value: self.strategy.reduce(tf.distribute.ReduceOp.MEAN, value, axis=None),
+            results,
+        )
+
+    def configure_optimizer(self, optimizer):
+        # Keras 3 optimizers sum gradients across replicas inside apply(),
+        # after clipping. The step has already averaged them, so that sum
+        # would count every gradient num_replicas times (and clip before
+        # averaging); switch it off for this optimizer and its inner one.
+        for target in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+            if target is not None:
+                target._all_reduce_sum_gradients = lambda grads_and_vars: list(grads_and_vars)
+        return optimizer
+
+    def allreduce_gradients(self, gradients):
+        context = tf.distribute.get_replica_context()
+        return context.all_reduce(tf.distribute.ReduceOp.MEAN, list(gradients))
+
+    def allreduce_mean(self, value):
+        """Averages a value computed on every worker (outside a step)."""
+        value = tf.convert_to_tensor(value)
+        if self.strategy.extended._in_multi_worker_mode():
+            per_replica = self.strategy.run(lambda: tf.identity(value))
+            return self.strategy.reduce(tf.distribute.ReduceOp.MEAN, per_replica, axis=None)
+        return value
+
+    def broadcast_variables(self, variables):
+        # Mirrored variables start equal on every replica (MultiWorkerMirrored
+        # broadcasts the chief's initial values itself).
+        del variables
