@@ -10,7 +10,8 @@ from tfgpt import GPT
 from tfgpt.config import TrainConfig
 from tfgpt.distributed import LocalDistribution
 from tfgpt.training.flags import parse_flags
-from tfgpt.training.optimizers import make_optimizer
+from tfgpt.training.lamb import LAMB
+from tfgpt.training.optimizers import learning_rate_schedule, make_optimizer
 from tfgpt.training.schedules import WarmupDecay
 from tfgpt.training.train_step import TrainStep, cross_entropy
 
@@ -138,3 +139,197 @@ def test_train_step_applies_the_averaged_gradients(xla):
     assert float(step_loss) == pytest.approx(float(loss), rel=1e-5)
     for variable, value in zip(model.trainable_variables, expected):
         np.testing.assert_allclose(variable.numpy(), value, atol=1e-6, err_msg=variable.path)
+
+
+# ---- LAMB ---------------------------------------------------------------
+
+
+def _np_lamb(weights, gradients_per_step, lr, decay, adapt, beta_1=0.9, beta_2=0.999, epsilon=1e-6):
+    w = weights.astype("float64")
+    m = np.zeros_like(w)
+    v = np.zeros_like(w)
+    for t, g in enumerate(gradients_per_step, start=1):
+        m = beta_1 * m + (1 - beta_1) * g
+        v = beta_2 * v + (1 - beta_2) * g * g
+        r = (m / (1 - beta_1**t)) / (np.sqrt(v / (1 - beta_2**t)) + epsilon)
+        if adapt:
+            r = r + decay * w
+            ratio = np.linalg.norm(w) / np.linalg.norm(r)
+            r = ratio * r
+        w = w - lr * r
+    return w
+
+
+def test_lamb_matches_the_paper_algorithm():
+    import keras
+
+    from tfgpt.training.lamb import LAMB
+
+    rng = np.random.default_rng(5)
+    kernel = keras.Variable(rng.normal(size=(4, 3)).astype("float32"), name="kernel")
+    bias = keras.Variable(rng.normal(size=(3,)).astype("float32"), name="bias")
+    initial = [kernel.numpy(), bias.numpy()]
+    optimizer = LAMB(learning_rate=0.05, weight_decay=0.1)
+    gradients = [[rng.normal(size=(4, 3)), rng.normal(size=(3,))] for _ in range(3)]
+    for kernel_gradient, bias_gradient in gradients:
+        optimizer.apply([tf.constant(kernel_gradient, tf.float32), tf.constant(bias_gradient, tf.float32)],
+                        [kernel, bias])
+    expected_kernel = _np_lamb(initial[0], [g[0] for g in gradients], 0.05, 0.1, adapt=True)
+    expected_bias = _np_lamb(initial[1], [g[1] for g in gradients], 0.05, 0.1, adapt=False)
+    np.testing.assert_allclose(kernel.numpy(), expected_kernel, atol=1e-5)
+    np.testing.assert_allclose(bias.numpy(), expected_bias, atol=1e-5)
+    # Keras' own Lamb decays outside the trust ratio and gives another result.
+    other = keras.Variable(initial[0], name="kernel")
+    keras_lamb = keras.optimizers.Lamb(learning_rate=0.05, weight_decay=0.1, epsilon=1e-6)
+    for kernel_gradient, _ in gradients:
+        keras_lamb.apply([tf.constant(kernel_gradient, tf.float32)], [other])
+    assert np.abs(other.numpy() - expected_kernel).max() > 1e-4
+
+
+def test_albert_lamb_recipe_schedule_shape():
+    """lr 0.00176, warmup 3125 of 125000 steps, then linear decay to 0."""
+    config = TrainConfig(data="d", optimizer="lamb", learning_rate=0.00176, warmup_steps=3125,
+                         steps=125000, schedule="linear", final_learning_rate_ratio=0.0)
+    assert isinstance(make_optimizer(config), LAMB)
+    schedule = learning_rate_schedule(config)
+    for step, expected in [(0, 0.00176 / 3125), (1561, 0.00176 * 1562 / 3125), (3125, 0.00176),
+                           (64062, 0.00176 * (1 - (64062 - 3125) / (125000 - 3125))), (125000, 0.0)]:
+        assert float(schedule(step)) == pytest.approx(expected, rel=1e-4, abs=1e-9), step
+
+
+# ---- Accumulation and mixed precision -----------------------------------
+
+
+def _tiny_gpt(seed=3, **overrides):
+    import keras
+
+    keras.utils.set_random_seed(seed)
+    config = dict(vocabulary_size=23, num_layers=2, num_heads=2, hidden_dim=8,
+                  intermediate_dim=12, max_sequence_length=8)
+    config.update(overrides)
+    return GPT(**config)
+
+
+def test_accumulated_micro_batches_equal_one_large_batch():
+    rng = np.random.default_rng(2)
+    inputs = rng.integers(0, 23, (6, 5)).astype("int32")
+    targets = rng.integers(0, 23, (6, 5)).astype("int32")
+    config = TrainConfig(data="d", warmup_steps=0, gradient_clip_norm=0.5)
+
+    results = []
+    for steps, batch in [(1, (inputs, targets)),
+                         (3, (inputs.reshape(3, 2, 5), targets.reshape(3, 2, 5)))]:
+        model = _tiny_gpt()
+        optimizer = make_optimizer(config)
+        optimizer.build(model.trainable_variables)
+        step = TrainStep(model, optimizer, LocalDistribution(), accumulation_steps=steps)
+        metrics = step(batch)
+        results.append((float(metrics["loss"]), [v.numpy() for v in model.trainable_variables]))
+    (loss_one, weights_one), (loss_three, weights_three) = results
+    assert loss_three == pytest.approx(loss_one, rel=1e-5)
+    for a, b in zip(weights_one, weights_three):
+        np.testing.assert_allclose(a, b, atol=2e-6)
+    assert any(np.abs(a - b).max() > 0 for a, b in zip(weights_one, [
+        v.numpy() for v in _tiny_gpt().trainable_variables]))
+
+
+def test_float16_overflow_skips_the_update_and_halves_the_scale():
+    import keras
+
+    model = _tiny_gpt(dtype="mixed_float16")
+    inner = keras.optimizers.AdamW(learning_rate=1e-2)
+    optimizer = keras.optimizers.LossScaleOptimizer(inner, initial_scale=2.0**60)
+    optimizer.build(model.trainable_variables)
+    before = [v.numpy() for v in model.trainable_variables]
+    step = TrainStep(model, optimizer, LocalDistribution())
+    rng = np.random.default_rng(0)
+    batch = (rng.integers(0, 23, (2, 5)).astype("int32"), rng.integers(0, 23, (2, 5)).astype("int32"))
+    metrics = step(batch)
+    assert np.isfinite(float(metrics["loss"]))
+    assert int(inner.iterations) == 0  # skipped: counted as step - inner iterations
+    assert float(optimizer.dynamic_scale) == 2.0**59
+    for a, v in zip(before, model.trainable_variables):
+        np.testing.assert_array_equal(a, v.numpy())
+    # With a sane scale the next steps apply.
+    optimizer.dynamic_scale.assign(2.0**10)
+    step(batch)
+    assert int(inner.iterations) == 1
+    assert all(v.dtype == "float32" for v in model.trainable_variables)
+
+
+# ---- Trainer, in process --------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_data(tmp_path_factory):
+    from pipelines import prepare
+    from tests.test_train_hvd import pattern_corpus
+
+    root = tmp_path_factory.mktemp("data")
+    pattern_corpus(root / "corpus.txt", documents=200)
+    assert prepare.main(["--input", str(root / "corpus.txt"), "--output", str(root / "p"),
+                         "--seq-len", "16", "--vocab-size", "300", "--val-fraction", "0.1"]) == 0
+    return root / "p"
+
+
+TINY = ["--num-layers", "2", "--num-heads", "2", "--hidden-dim", "16",
+        "--intermediate-dim", "24", "--max-sequence-length", "16"]
+
+
+def _train(argv):
+    from tfgpt.training.trainer import train
+
+    train_config, overrides = parse_flags(argv)
+    return train(train_config, overrides, LocalDistribution())
+
+
+@pytest.mark.parametrize("precision", ["bfloat16", "float16"])
+def test_trainer_runs_mixed_precision_with_xla_and_logs_its_metrics(small_data, tmp_path, precision):
+    import json
+
+    import keras
+
+    try:
+        model, metrics = _train(["--data", str(small_data), "--out", str(tmp_path), "--steps", "4",
+                                 "--log-every", "2", "--batch-size", "4", "--xla",
+                                 "--mixed-precision", precision, "--accumulation-steps", "2",
+                                 "--eval-batches", "1", "--peak-flops", "1e10", *TINY])
+    finally:
+        keras.config.set_dtype_policy("float32")
+    assert all(v.dtype == "float32" for v in model.trainable_variables)
+    assert np.isfinite(metrics["val_loss"])
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in records if r["split"] == "train"][-1]
+    for name in ("loss", "perplexity", "learning_rate", "gradient_norm", "tokens_per_second",
+                 "sequences_per_second", "mfu"):
+        assert np.isfinite(last[name]), name
+    assert ("loss_scale" in last) == (precision == "float16")
+    if precision == "float16":
+        assert last["skipped_steps"] >= 0
+
+
+def test_nan_loss_stops_without_saving(small_data, tmp_path):
+    from tfgpt.training.trainer import TrainingDiverged
+
+    with pytest.raises(TrainingDiverged, match="loss is nan"):
+        _train(["--data", str(small_data), "--out", str(tmp_path), "--steps", "6",
+                "--log-every", "3", "--batch-size", "4", "--learning-rate", "1e30",
+                "--warmup-steps", "0", "--gradient-clip-norm", "0", "--peak-flops", "1e10", *TINY])
+    assert not list(tmp_path.glob("ckpt-*"))
+
+
+def test_resume_with_a_contradicting_architecture_flag_is_refused(small_data, tmp_path):
+    common = ["--data", str(small_data), "--out", str(tmp_path), "--batch-size", "4",
+              "--eval-batches", "1", "--peak-flops", "1e10"]
+    _train([*common, "--steps", "2", *TINY])
+    with pytest.raises(ValueError, match=r"--hidden-dim 32 contradicts the checkpoint.*hidden_dim=16"):
+        _train([*common, "--steps", "4", "--resume", *TINY[:4], "--hidden-dim", "32"])
+    # Without architecture flags the checkpoint's own shape is used.
+    model, _ = _train([*common, "--steps", "4", "--resume"])
+    assert model.hidden_dim == 16 and model.num_layers == 2
+
+
+def test_batch_larger_than_a_workers_data_is_refused(small_data, tmp_path):
+    with pytest.raises(ValueError, match=r"--batch-size 4000 x --accumulation-steps 1 needs 4000"):
+        _train(["--data", str(small_data), "--out", str(tmp_path), "--batch-size", "4000",
+                "--steps", "2", *TINY])
