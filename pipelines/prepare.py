@@ -220,7 +220,8 @@ def _is_int(value) -> bool:
 
 
 def _validate_arguments(
-    seq_len, vocabulary_size, shard_size, val_fraction, seed, tokenizer_sample_bytes
+    seq_len, vocabulary_size, shard_size, val_fraction, seed, tokenizer_sample_bytes,
+    tokenizer_type="bpe",
 ) -> None:
     """Raise ValueError naming the first invalid argument."""
     if not _is_int(seq_len) or seq_len < MINIMUM_SEQ_LEN:
@@ -228,7 +229,17 @@ def _validate_arguments(
             f"`seq_len` must be an int of at least {MINIMUM_SEQ_LEN}. "
             f"Received: seq_len={seq_len!r}"
         )
-    if vocabulary_size is not None and (
+    if tokenizer_type == "wordpiece":
+        from pipelines.wordpiece_tokenizer import MINIMUM_VOCABULARY_SIZE as wordpiece_minimum
+
+        if vocabulary_size is not None and (
+            not _is_int(vocabulary_size) or vocabulary_size < wordpiece_minimum
+        ):
+            raise ValueError(
+                f"`vocabulary_size` must be an int of at least {wordpiece_minimum} for "
+                f"WordPiece. Received: vocabulary_size={vocabulary_size!r}"
+            )
+    elif vocabulary_size is not None and (
         not _is_int(vocabulary_size) or vocabulary_size < MINIMUM_VOCABULARY_SIZE
     ):
         raise ValueError(
@@ -589,9 +600,18 @@ def _initialize_worker(job: dict, shared_counters) -> None:
     _WORKER["tokenizer"] = None
 
 
+def _load_temporary_tokenizer(path: str):
+    """Load `.tokenizer.model.tmp` or `.vocab.txt.tmp` by its name."""
+    if os.path.basename(path) == ".vocab.txt.tmp":
+        from pipelines.wordpiece_tokenizer import WordPieceTokenizer
+
+        return WordPieceTokenizer.load(path)
+    return Tokenizer.load(path)
+
+
 def _worker_tokenizer(job):
     if _WORKER["tokenizer"] is None:
-        _WORKER["tokenizer"] = Tokenizer.load(job["tokenizer_path"])
+        _WORKER["tokenizer"] = _load_temporary_tokenizer(job["tokenizer_path"])
     return _WORKER["tokenizer"]
 
 
@@ -1056,13 +1076,14 @@ def prepare(
     Returns:
         dict. The manifest, as written to `manifest.json`.
     """
-    _validate_arguments(
-        seq_len, vocabulary_size, shard_size, val_fraction, seed, tokenizer_sample_bytes
-    )
     if tokenizer_type not in TOKENIZER_TYPES:
         raise ValueError(
             f"`tokenizer_type` must be one of {TOKENIZER_TYPES}. Received: tokenizer_type={tokenizer_type!r}"
         )
+    _validate_arguments(
+        seq_len, vocabulary_size, shard_size, val_fraction, seed, tokenizer_sample_bytes,
+        tokenizer_type,
+    )
     if record_format not in FORMATS:
         raise ValueError(
             f"`record_format` must be one of {tuple(FORMATS)}. Received: record_format={record_format!r}"
@@ -1216,7 +1237,7 @@ def prepare(
             _write_state(output_directory, state)
         else:
             tokenizer_temporary = os.path.join(output_directory, state["tokenizer_file"])
-            tokenizer = Tokenizer.load(tokenizer_temporary)
+            tokenizer = _load_temporary_tokenizer(tokenizer_temporary)
         scan = state["scan"]
         job["tokenizer_path"] = tokenizer_temporary
         job["validation_bin_threshold"] = scan["validation_bin_threshold"]

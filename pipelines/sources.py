@@ -24,8 +24,8 @@ of a cut apply identically, so no document is read twice or lost:
 
 - JSON Lines: the line starting at offset `o` belongs to the chunk
   `[start, end)` with `start <= o < end`.
-- Plain text: a block belongs to the chunk holding the offset of the first
-  blank line before it (offset 0 for a file's first block).
+- Plain text: a block belongs to the chunk holding the offset of the blank
+  line just before it (offset 0 for a file's first block).
 
 Compressed files and TFDS splits cannot be cut; each lies whole in one
 chunk. Chunking depends only on the inputs and `chunk_size`, never on the
@@ -36,7 +36,6 @@ Memory: documents are read one at a time; the largest document must fit.
 
 import dataclasses
 import glob
-import io
 import json
 import os
 from typing import Callable, Iterator, List, Optional, Sequence, Tuple
@@ -231,6 +230,45 @@ def describe_chunk(sources: Sequence[Source], segments: Sequence[list]) -> str:
 # Reading documents.
 
 
+def _zstd_lines(raw_file, path: str) -> Iterator[bytes]:
+    """The lines of a Zstandard file (one or more frames), decompressed as a stream.
+
+    Raises DataError naming the file for corrupt data and for a stream that
+    ends inside a frame (a truncated download), which a plain stream reader
+    would take for a clean end.
+    """
+    import zstandard
+
+    decompressor = zstandard.ZstdDecompressor()
+    frame = decompressor.decompressobj()
+    frame_started = False
+    pending = b""
+    try:
+        while True:
+            data = raw_file.read(1 << 20)
+            if not data:
+                break
+            while data:
+                frame_started = True
+                pending += frame.decompress(data)
+                if frame.eof:  # Concatenated frames: start the next one.
+                    data = frame.unused_data
+                    frame = decompressor.decompressobj()
+                    frame_started = False
+                else:
+                    data = b""
+            lines = pending.split(b"\n")
+            pending = lines.pop()
+            for line in lines:
+                yield line + b"\n"
+    except zstandard.ZstdError as error:
+        raise DataError(f"{path}: corrupt Zstandard stream ({error})") from None
+    if frame_started and not frame.eof:
+        raise DataError(f"{path}: corrupt Zstandard stream (truncated: it ends inside a frame)")
+    if pending:
+        yield pending
+
+
 class SegmentReader:
     """The documents of one segment of one source.
 
@@ -292,12 +330,7 @@ class SegmentReader:
         with raw_file:
             compressed = self.source.kind.endswith(".zst")
             if compressed:
-                import zstandard
-
-                stream = io.BufferedReader(
-                    zstandard.ZstdDecompressor().stream_reader(raw_file, read_across_frames=True),
-                    buffer_size=1 << 20,
-                )
+                stream = _zstd_lines(raw_file, path)
                 offset = None
             else:
                 stream = raw_file
@@ -321,10 +354,6 @@ class SegmentReader:
                         line_number += 1
             except OSError as error:
                 raise self._open_error(error) from None
-            except Exception as error:  # zstandard.ZstdError: a corrupt or truncated stream.
-                if compressed and type(error).__name__ == "ZstdError":
-                    raise DataError(f"{path}: corrupt Zstandard stream ({error})") from None
-                raise
 
     def _decode(self, line_number, offset, line: bytes) -> str:
         try:
@@ -373,11 +402,12 @@ class SegmentReader:
             yield text
 
     def _text_documents(self) -> Iterator[str]:
+        # A block belongs to the chunk holding the blank line just before it.
         # Cut files: skip to the first blank line at or after `start`; the
         # blocks before it belong to the previous chunk.
         seeking_blank = self.start > 0
         block = []
-        blank_before = 0  # Offset of the first blank line after the previous block.
+        last_blank = 0  # Offset of the latest blank line (0 before the first).
         for line_number, offset, raw_line in self._lines():
             line = self._decode(line_number, offset, raw_line).rstrip("\n").rstrip("\r")
             if not line.strip():
@@ -385,15 +415,13 @@ class SegmentReader:
                     self.documents += 1
                     yield "\n".join(block)
                     block = []
-                    blank_before = None
-                if blank_before is None or seeking_blank:
-                    blank_before = offset
+                last_blank = offset
                 seeking_blank = False
                 continue
             if seeking_blank:
                 continue
-            if not block:
-                if self.end is not None and blank_before is not None and blank_before >= self.end:
+            if not block and self.end is not None and last_blank is not None:
+                if last_blank >= self.end:
                     return
             block.append(line)
         if block:
