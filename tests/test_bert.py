@@ -374,3 +374,24 @@ def test_task_model_needs_an_encoder_backbone():
         SequenceClassifier(Bert(**tiny_config()), num_classes=2)
     with pytest.raises(ValueError, match=r"num_classes=1"):
         ClassificationHead(num_classes=1)
+
+
+@pytest.mark.parametrize("family", ["bert", "albert"])
+def test_tf_train_checkpoint_saves_and_restores_every_weight(tmp_path, family):
+    """tf.train.Checkpoint (the trainers' format) must reach the blocks too."""
+    import tensorflow as tf
+
+    from tfgpt.models.albert import Albert
+    from tfgpt.models.bert import Bert
+
+    cls, preset = (Bert, "bert-demo") if family == "bert" else (Albert, "albert-demo")
+    keras.utils.set_random_seed(1)
+    model = cls.from_preset(preset, num_layers=2)
+    path = tf.train.Checkpoint(model=model).save(str(tmp_path / "ckpt"))
+    saved = [name for name, _ in tf.train.list_variables(path) if name.startswith("model/")]
+    assert len(saved) == len(model.weights)
+    keras.utils.set_random_seed(2)
+    fresh = cls.from_preset(preset, num_layers=2)
+    tf.train.Checkpoint(model=fresh).restore(path).assert_existing_objects_matched()
+    for original, restored in zip(model.weights, fresh.weights):
+        np.testing.assert_array_equal(original.numpy(), restored.numpy(), err_msg=original.path)

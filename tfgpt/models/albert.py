@@ -10,10 +10,11 @@ from tfgpt.layers.encoder_block import EncoderBlock
 from tfgpt.layers.encoder_embedding import EncoderEmbedding
 from tfgpt.layers.masked_lm_head import MaskedLMHead
 from tfgpt.models.encoder_inputs import pack_encoder_inputs, unpack_encoder_inputs
+from tfgpt.models.tracked_blocks import TrackedBlocks
 
 
 @keras.saving.register_keras_serializable(package="tfgpt")
-class AlbertBackbone(keras.Model):
+class AlbertBackbone(TrackedBlocks, keras.Model):
     """ALBERT encoder (Lan et al. 2020): a BERT encoder with fewer parameters.
 
     Two changes to `BertBackbone`:
