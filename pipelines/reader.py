@@ -354,18 +354,24 @@ def worker_records(
     # checksums only for the files this worker will actually read.
     _check_shard_files(data_dir, shards, verify_checksums=False)
     files, by_record = worker_shards(shards, num_shards, shard_index)
+    explicit = equal_steps is not None
     if equal_steps is None:
         equal_steps = repeat
     records_per_epoch = None
     if equal_steps:
         counts = records_per_worker(manifest, split, num_shards)
         steps = min(counts) // batch_size
-        if steps < 1:
+        if steps < 1 and not explicit:
+            # A repeated split smaller than one batch per worker: batches then
+            # span epochs, and every worker runs forever anyway.
+            equal_steps = False
+        elif steps < 1:
             raise DataError(
                 f"{data_dir}: split {split!r} gives some worker only {min(counts)} record(s) "
                 f"with num_workers={num_shards}, fewer than batch_size={batch_size}"
             )
-        records_per_epoch = steps * batch_size
+        else:
+            records_per_epoch = steps * batch_size
     skipped = []
     if skip_corrupt:
         intact = []
@@ -464,8 +470,9 @@ def make_dataset(
         verify_checksums: bool. Also hash this worker's shards and compare with
             the manifest before reading (a full read of the files).
         equal_steps: bool or None. Cut every worker's epoch to the same
-            number of full batches (`steps_per_epoch`). None: True when
-            `repeat`, else False.
+            number of full batches (`steps_per_epoch`); True raises
+            `DataError` if some worker cannot make one batch. None: True when
+            `repeat` and every worker can make a batch, else False.
         skip_corrupt: bool. Check this worker's shards' checksums and leave
             out corrupted ones with a `CorruptShardWarning` instead of failing.
 

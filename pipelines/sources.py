@@ -38,7 +38,7 @@ import dataclasses
 import glob
 import json
 import os
-from typing import Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 from pipelines.errors import DataError
 
