@@ -176,6 +176,7 @@ GPT_PRESETS: dict[str, dict[str, typing.Any]] = {
 MIXED_PRECISION = ("off", "float16", "bfloat16")
 SCHEDULES = ("cosine", "linear", "constant")
 OPTIMIZERS = ("adamw", "lamb")
+TASKS = ("auto", "clm", "mlm", "mlm+nsp", "mlm+sop")
 
 
 @dataclasses.dataclass
@@ -185,8 +186,12 @@ class TrainConfig:
     Every field is a trainer flag (`batch_size` is `--batch-size`).
 
     Args:
-        data: str. Directory written by `python -m pipelines.prepare`.
-        preset: str. Model preset; model flags override its fields.
+        data: str. Directory written by `python -m pipelines.prepare`
+            (`--format encoder` for the masked-LM tasks).
+        preset: str. Model preset (`gpt-*`, `bert-*`, `albert-*`); model
+            flags override its fields.
+        task: str. `clm` (GPT), `mlm`, `mlm+nsp` (BERT) or `mlm+sop`
+            (ALBERT); `auto` takes the preset family's pretraining task.
         steps: int. Optimizer steps to run in total.
         batch_size: int. Sequences per worker per step.
         learning_rate: float. Peak learning rate for one worker; with
@@ -230,6 +235,7 @@ class TrainConfig:
 
     data: str = ""
     preset: str = "gpt-demo"
+    task: str = "auto"
     steps: int = 1000
     batch_size: int = 16
     learning_rate: float = 1e-3
@@ -279,11 +285,14 @@ class TrainConfig:
                 raise ValueError(
                     f"`{name}` must be one of {allowed}. Received: {name}={getattr(self, name)!r}"
                 )
-        if self.preset not in GPT_PRESETS:
+        presets = {**GPT_PRESETS, **BERT_PRESETS, **ALBERT_PRESETS}
+        if self.preset not in presets:
             raise ValueError(
                 f"Unknown preset. Received: preset={self.preset!r}. "
-                f"Expected one of: {', '.join(sorted(GPT_PRESETS))}"
+                f"Expected one of: {', '.join(sorted(presets))}"
             )
+        if self.task not in TASKS:
+            raise ValueError(f"`task` must be one of {TASKS}. Received: task={self.task!r}")
         for name in ("weight_decay", "gradient_clip_norm", "final_learning_rate_ratio", "peak_flops"):
             if getattr(self, name) < 0:
                 raise ValueError(

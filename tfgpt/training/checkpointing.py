@@ -74,7 +74,8 @@ class Checkpointer:
         os.makedirs(self.directory, exist_ok=True)
         write_json_atomically(os.path.join(self.directory, CONFIG_FILE), config)
         if tokenizer_path:
-            shutil.copyfile(tokenizer_path, os.path.join(self.directory, TOKENIZER_FILE))
+            name = os.path.basename(tokenizer_path)
+            shutil.copyfile(tokenizer_path, os.path.join(self.directory, name))
 
     def save(self, step):
         if self.is_chief:

@@ -10,16 +10,22 @@ import argparse
 import dataclasses
 import typing
 
-from tfgpt.config import GPTConfig, TrainConfig
+from tfgpt.config import AlbertConfig, BertConfig, GPTConfig, TrainConfig
+
+MODEL_CONFIGS = (GPTConfig, BertConfig, AlbertConfig)
 
 
 def _flag(name):
     return "--" + name.replace("_", "-")
 
 
-def _add_fields(parser, cls, defaults):
+def _add_fields(parser, cls, defaults, seen=None):
     hints = typing.get_type_hints(cls)
     for field in dataclasses.fields(cls):
+        if seen is not None:
+            if field.name in seen:
+                continue
+            seen.add(field.name)
         kind = hints[field.name]
         default = defaults.get(field.name, None)
         if kind is bool:
@@ -31,7 +37,8 @@ def _add_fields(parser, cls, defaults):
 
 
 def build_parser(description):
-    """Returns a parser with one flag per TrainConfig and GPTConfig field."""
+    """Returns a parser with one flag per TrainConfig field and per model
+    config field (the union of GPTConfig, BertConfig and AlbertConfig)."""
     parser = argparse.ArgumentParser(
         description=description,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -43,7 +50,9 @@ def build_parser(description):
     _add_fields(training, TrainConfig, train_defaults)
     # Model flags default to None: "take the preset's value".
     model = parser.add_argument_group("model (override the preset)")
-    _add_fields(model, GPTConfig, {})
+    seen = set()
+    for cls in MODEL_CONFIGS:
+        _add_fields(model, cls, {}, seen)
     return parser
 
 
@@ -71,8 +80,20 @@ def parse_flags(argv=None, description="Train a GPT.", add_arguments=None):
         if key not in train_fields and value is not None
     }
     try:
+        from tfgpt.training.tasks import config_class, family_of_preset, resolve_task
+
         train_config = TrainConfig(**train_args)
-        GPTConfig.from_preset(train_config.preset, **model_overrides)
+        family = family_of_preset(train_config.preset)
+        resolve_task(train_config.task, train_config.preset)
+        cls = config_class(family)
+        fields = {field.name for field in dataclasses.fields(cls)}
+        for name in model_overrides:
+            if name not in fields:
+                raise ValueError(
+                    f"--{name.replace('_', '-')} is not a {cls.__name__} field "
+                    f"(--preset {train_config.preset} is a {family} model)"
+                )
+        cls.from_preset(train_config.preset, **model_overrides)
     except ValueError as error:
         parser.error(str(error))
     if add_arguments:

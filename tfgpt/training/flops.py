@@ -12,6 +12,12 @@ counted instead). 6N is the forward (2N) and backward (4N) cost of those
 matmuls; the second term is attention's QK^T and AV products, counted over
 the full sequence as PaLM does (causal masking is not subtracted).
 Recomputation is not counted: MFU measures useful work.
+
+Encoders (BERT, ALBERT) use the same formula with N = num_layers x
+(4 C^2 + 2 C I), the attention and feed-forward matmuls each layer runs
+(ALBERT runs its shared layers num_layers times), plus ALBERT's E x C
+embedding projection. The masked-LM head (on ~15% of positions) and the
+pooler (once per sequence) are left out, a few percent at most.
 """
 
 import time
@@ -28,10 +34,26 @@ def matmul_parameters(model):
     return count
 
 
+def encoder_matmul_parameters(backbone):
+    """N in 6N for a BERT or ALBERT backbone (see the module docstring)."""
+    hidden, intermediate = backbone.hidden_dim, backbone.intermediate_dim
+    count = backbone.num_layers * (4 * hidden * hidden + 2 * hidden * intermediate)
+    embedding_dim = getattr(backbone, "embedding_dim", None)
+    if embedding_dim is not None:
+        count += embedding_dim * hidden
+    return count
+
+
 def flops_per_token(model, sequence_length):
-    """Training FLOPs per token (forward and backward) of a GPT."""
-    attention = 12 * model.num_layers * model.hidden_dim * sequence_length
-    return 6 * matmul_parameters(model) + attention
+    """Training FLOPs per token (forward and backward) of a GPT, BERT or ALBERT."""
+    backbone = getattr(model, "backbone", None)
+    if backbone is not None:
+        parameters, layers, hidden = (
+            encoder_matmul_parameters(backbone), backbone.num_layers, backbone.hidden_dim
+        )
+    else:
+        parameters, layers, hidden = matmul_parameters(model), model.num_layers, model.hidden_dim
+    return 6 * parameters + 12 * layers * hidden * sequence_length
 
 
 def measure_matmul_peak(dtype="float32", size=2048, seconds=1.0):

@@ -28,6 +28,18 @@ def _dense(gradient):
     return tf.convert_to_tensor(gradient) if isinstance(gradient, tf.IndexedSlices) else gradient
 
 
+def _compiled_parts(distribution):
+    """What XLA may compile for `distribution` (see TrainStep)."""
+    from tfgpt.distributed.local import LocalDistribution
+    from tfgpt.distributed.strategy import StrategyDistribution
+
+    if type(distribution) is LocalDistribution:
+        return ("step",)
+    if isinstance(distribution, StrategyDistribution):
+        return ("compute",)
+    return ("compute", "update")
+
+
 def _loss_scale(optimizer):
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         return optimizer.dynamic_scale
@@ -37,9 +49,19 @@ def _loss_scale(optimizer):
 class TrainStep:
     """Forward, backward, gradient averaging and the optimizer update.
 
-    The forward/backward pass is one `tf.function` (XLA-compiled when `xla`
-    is set); accumulation, averaging across workers and the update run in a
-    second one around it, so the collective stays outside the XLA cluster.
+    What XLA compiles (`xla=True`) depends on where the gradients are
+    averaged, since a collective cannot run inside an XLA cluster here:
+
+    - one process (`LocalDistribution`, nothing to average): the whole step,
+      forward, backward, clipping and the optimizer update, is one XLA
+      cluster, so XLA fuses the update into the backward pass;
+    - Horovod (or any other distribution whose `allreduce_gradients` is not
+      a `tf.distribute` replica all-reduce): the forward/backward pass and
+      the update are compiled apart, with the allreduce between them;
+    - a `tf.distribute` strategy: the forward/backward pass only. Keras
+      applies the update through `merge_call`, which cannot run inside a
+      nested (XLA-compiled) `tf.function` ("`merge_call` called while
+      defining a new graph").
 
     With `accumulation_steps=K`, every leaf of a batch carries a leading
     axis of K micro-batches; their gradients are averaged locally before
@@ -76,8 +98,17 @@ class TrainStep:
         self.loss_fn = loss_fn
         self.accumulation_steps = accumulation_steps
         self.variables = model.trainable_variables
-        self._forward_backward = tf.function(self._forward_backward_fn, jit_compile=xla)
-        self._step = tf.function(lambda batch: distribution.run(self._replica_step, batch))
+        self.compiled = _compiled_parts(distribution) if xla else ()
+        self._forward_backward = self._forward_backward_fn
+        self._update = self._update_fn
+        if "compute" in self.compiled:
+            self._forward_backward = tf.function(self._forward_backward_fn, jit_compile=True)
+        if "update" in self.compiled:
+            self._update = tf.function(self._update_fn, jit_compile=True)
+        if self.compiled == ("step",):
+            self._step = tf.function(self._replica_step, jit_compile=True)
+        else:
+            self._step = tf.function(lambda batch: distribution.run(self._replica_step, batch))
 
     def _forward_backward_fn(self, batch):
         with tf.GradientTape() as tape:
@@ -109,14 +140,18 @@ class TrainStep:
             [g * scale for g in gradients],
         )
 
-    def _replica_step(self, batch):
-        loss, metrics, gradients = self._accumulate(batch)
-        gradients = self.distribution.allreduce_gradients(gradients)
+    def _update_fn(self, gradients):
         gradient_norm = tf.linalg.global_norm(gradients)
         loss_scale = _loss_scale(self.optimizer)
         if loss_scale is not None:
             gradient_norm = gradient_norm / tf.cast(loss_scale, gradient_norm.dtype)
         self.optimizer.apply(gradients, self.variables)
+        return gradient_norm
+
+    def _replica_step(self, batch):
+        loss, metrics, gradients = self._accumulate(batch)
+        gradients = self.distribution.allreduce_gradients(gradients)
+        gradient_norm = self._update(gradients)
         return {"loss": loss, "gradient_norm": gradient_norm, **metrics}
 
     def __call__(self, *batch):

@@ -17,11 +17,8 @@ import numpy as np
 import tensorflow as tf
 
 from pipelines import reader
-from pipelines.tokenizer import Tokenizer
-from tfgpt.config import GPTConfig
-from tfgpt.models.gpt import GPT
-from tfgpt.training import flops
-from tfgpt.training.checkpointing import TOKENIZER_FILE, Checkpointer, read_config
+from tfgpt.training import flops, tasks
+from tfgpt.training.checkpointing import Checkpointer, read_config
 from tfgpt.training.optimizers import make_optimizer
 from tfgpt.training.reporter import Reporter
 from tfgpt.training.train_step import EvalStep, TrainStep
@@ -36,13 +33,15 @@ class TrainingDiverged(RuntimeError):
     """The loss became NaN or infinite."""
 
 
-def resolve_model_config(train_config, model_overrides, manifest, tokenizer, saved=None):
-    """Returns the GPTConfig for this run: preset, flags, the data, a checkpoint.
+def resolve_model_config(train_config, model_overrides, manifest, family, saved=None):
+    """Returns the model config for this run: preset, flags, the data, a checkpoint.
 
     The vocabulary size comes from the data's tokenizer unless a flag sets
     it. When resuming, the architecture comes from the checkpoint's
     config.json and a flag that contradicts it is an error.
     """
+    cls = tasks.config_class(family)
+    data_vocabulary = manifest["tokenizer"]["vocabulary_size"]
     if saved is not None:
         for name, value in model_overrides.items():
             if saved.get(name) != value:
@@ -50,16 +49,16 @@ def resolve_model_config(train_config, model_overrides, manifest, tokenizer, sav
                     f"--{name.replace('_', '-')} {value} contradicts the checkpoint being "
                     f"resumed in --out {train_config.out} ({name}={saved.get(name)!r})"
                 )
-        config = GPTConfig(**saved)
+        config = cls(**saved)
     else:
         overrides = dict(model_overrides)
-        overrides.setdefault("vocabulary_size", tokenizer.vocabulary_size)
-        config = GPTConfig.from_preset(train_config.preset, **overrides)
-    if config.vocabulary_size < tokenizer.vocabulary_size:
+        overrides.setdefault("vocabulary_size", data_vocabulary)
+        config = cls.from_preset(train_config.preset, **overrides)
+    if config.vocabulary_size < data_vocabulary:
         raise ValueError(
             "`vocabulary_size` is smaller than the data's tokenizer. Received: "
             f"vocabulary_size={config.vocabulary_size}, tokenizer has "
-            f"{tokenizer.vocabulary_size} ids ({train_config.data})"
+            f"{data_vocabulary} ids ({train_config.data})"
         )
     sequence_length = manifest["seq_len"]
     if sequence_length > config.max_sequence_length:
@@ -100,26 +99,36 @@ def batches_naming_bad_shards(dataset, data_dir, split):
         yield batch
 
 
-def evaluate(eval_step, batches, distribution, max_batches, vocabulary_size):
-    """Mean validation loss over all workers, and the unigram baseline.
+def evaluate(task, eval_step, batches, distribution, max_batches, vocabulary_size):
+    """Mean validation loss and metrics over all workers (and, for causal
+    LM, the unigram baseline of the validation tokens).
 
     Each worker reads its own part of the split; sums and counts are
     averaged across workers so the result weights every batch equally.
     """
-    total, count = 0.0, 0
-    counts = np.zeros(vocabulary_size, np.int64)
-    for inputs, targets in batches:
-        loss, _ = eval_step(inputs, targets)
-        total += float(loss)
-        counts += np.bincount(targets.numpy().ravel(), minlength=vocabulary_size)
+    totals, count = {}, 0
+    counts = np.zeros(vocabulary_size, np.float64)
+    for batch in batches:
+        loss, metrics = eval_step(batch)
+        for name, value in {"loss": loss, **metrics}.items():
+            totals[name] = totals.get(name, 0.0) + float(value)
+        summary = task.evaluation_summary(batch, vocabulary_size)
+        if summary is not None:
+            counts += summary
         count += 1
         if max_batches and count >= max_batches:
             break
-    summed = distribution.allreduce_mean(tf.constant([total, float(count)], tf.float64))
-    summed_counts = distribution.allreduce_mean(tf.constant(counts, tf.float64))
-    if float(summed[1]) == 0:
+    names = sorted(totals) if totals else ["loss"]
+    sums = distribution.allreduce_mean(
+        tf.constant([totals.get(name, 0.0) for name in names] + [float(count)], tf.float64)
+    ).numpy()
+    if sums[-1] == 0:
         raise ValueError("the validation split has no full batch for this batch size")
-    return float(summed[0] / summed[1]), unigram_entropy(summed_counts.numpy())
+    results = {name: float(value / sums[-1]) for name, value in zip(names, sums[:-1])}
+    if counts.any():
+        summed_counts = distribution.allreduce_mean(tf.constant(counts, tf.float64))
+        results["unigram_entropy"] = unigram_entropy(summed_counts.numpy())
+    return results
 
 
 def _seed_generator_states(model):
@@ -142,18 +151,27 @@ def _check_batch_sizes(train_config, manifest, distribution):
 
 
 def train(train_config, model_overrides, distribution):
-    """Trains a GPT as `train_config` says; returns `(model, metrics)`.
+    """Trains the model `train_config` names; returns `(model, metrics)`.
 
     Args:
         train_config: TrainConfig.
-        model_overrides: dict of GPTConfig fields set explicitly by flags.
+        model_overrides: dict of model config fields set explicitly by flags.
         distribution: a `tfgpt.distributed` object (local, Horovod, ...).
     """
     # Config: from the preset, the flags, the data and (resuming) the checkpoint.
     out = train_config.out
     manifest = reader.load_manifest(train_config.data)
-    tokenizer_path = os.path.join(train_config.data, TOKENIZER_FILE)
-    tokenizer = Tokenizer.load(tokenizer_path)
+    family = tasks.family_of_preset(train_config.preset)
+    task = tasks.make_task(tasks.resolve_task(train_config.task, train_config.preset), family)
+    data_format = manifest.get("format", reader.PACKED_FORMAT)
+    if data_format != task.data_format:
+        hint = " (prepare it with --format encoder)" if task.name != "clm" else ""
+        raise ValueError(
+            f"--task {task.name} reads {task.data_format!r} records, but --data "
+            f"{train_config.data} holds {data_format!r} records{hint}"
+        )
+    tokenizer_file = manifest["tokenizer"].get("model_file")
+    tokenizer_path = os.path.join(train_config.data, tokenizer_file) if tokenizer_file else None
     has_checkpoint = tf.train.latest_checkpoint(out) is not None
     if has_checkpoint and not train_config.resume:
         raise ValueError(
@@ -162,14 +180,15 @@ def train(train_config, model_overrides, distribution):
         )
     saved = read_config(out)["model"] if has_checkpoint else None
     model_config = resolve_model_config(
-        train_config, model_overrides, manifest, tokenizer, saved=saved
+        train_config, model_overrides, manifest, family, saved=saved
     )
     _check_batch_sizes(train_config, manifest, distribution)
     report = Reporter(out, distribution.is_chief)
     sequence_length = manifest["seq_len"]
     global_batch = train_config.batch_size * train_config.accumulation_steps * distribution.size
     report.info(
-        f"tfgpt: {distribution.num_workers} worker(s), {distribution.size} replica(s), "
+        f"tfgpt: {family} {task.name}, {distribution.num_workers} worker(s), "
+        f"{distribution.size} replica(s), "
         f"global batch {global_batch} x "
         f"{sequence_length} tokens ({train_config.batch_size} per replica x "
         f"{train_config.accumulation_steps} accumulated), {train_config.steps} steps, "
@@ -180,7 +199,7 @@ def train(train_config, model_overrides, distribution):
     keras.utils.set_random_seed(train_config.seed)
     keras.config.set_dtype_policy(_POLICIES[train_config.mixed_precision])
     with distribution.scope():
-        model = GPT(**dataclasses.asdict(model_config))
+        model = tasks.build_model(family, model_config)
         # Optimizer.
         optimizer = distribution.configure_optimizer(
             make_optimizer(train_config, distribution.size)
@@ -192,6 +211,7 @@ def train(train_config, model_overrides, distribution):
         model,
         optimizer,
         distribution,
+        loss_fn=task.loss,
         xla=train_config.xla,
         accumulation_steps=train_config.accumulation_steps,
     )
@@ -199,7 +219,7 @@ def train(train_config, model_overrides, distribution):
     # Data: each worker reads its own part, in an order fixed by the seed.
     def train_batches(seed, skip=0):
         def dataset_fn(input_context):
-            dataset = reader.make_dataset(
+            dataset = task.dataset(
                 train_config.data,
                 "train",
                 train_config.batch_size,
@@ -260,6 +280,8 @@ def train(train_config, model_overrides, distribution):
     )
     checkpointer.write_run_files(
         {
+            "family": family,
+            "task": task.name,
             "model": dataclasses.asdict(model_config),
             "train": dataclasses.asdict(train_config),
             "data": {"seq_len": sequence_length, "directory": os.path.abspath(train_config.data)},
@@ -353,27 +375,34 @@ def train(train_config, model_overrides, distribution):
             report.info(f"saved {saved_path}")
 
     # Validation.
-    validation = reader.make_dataset(
+    validation = task.dataset(
         train_config.data,
         "val",
         train_config.batch_size,
         shuffle=False,
         repeat=False,
+        seed=train_config.seed,
         num_shards=distribution.num_workers,
         shard_index=distribution.rank,
     )
-    val_loss, baseline = evaluate(
-        EvalStep(model, xla=train_config.xla),
+    results = evaluate(
+        task,
+        EvalStep(model, loss_fn=task.loss, xla=train_config.xla),
         batches_naming_bad_shards(validation, train_config.data, "val"),
         distribution,
         train_config.eval_batches,
         model_config.vocabulary_size,
     )
-    metrics.update(val_loss=val_loss, unigram_entropy=baseline)
-    report.scalars(int(step.numpy()), {"loss": val_loss, "unigram_entropy": baseline}, prefix="val")
-    report.info(
-        f"validation loss {val_loss:.4f} nats/token (perplexity {math.exp(val_loss):.1f}); "
-        f"unigram baseline {baseline:.4f}"
-    )
+    metrics.update({f"val_{name}" if name != "unigram_entropy" else name: value
+                    for name, value in results.items()})
+    report.scalars(int(step.numpy()), results, prefix="val")
+    line = (f"validation loss {results['loss']:.4f} nats/token "
+            f"(perplexity {math.exp(min(results['loss'], 50.0)):.1f})")
+    if "unigram_entropy" in results:
+        line += f"; unigram baseline {results['unigram_entropy']:.4f}"
+    for name in sorted(results):
+        if name.endswith("accuracy"):
+            line += f"; {name.replace('_', ' ')} {results[name]:.3f}"
+    report.info(line)
     report.close()
     return model, metrics

@@ -1,0 +1,161 @@
+"""What is trained: the model family, its data, its loss and its metrics.
+
+- `clm`: causal language modelling with a GPT on packed token records.
+- `mlm`, `mlm+nsp`, `mlm+sop`: masked-LM pretraining of BERT or ALBERT on
+  encoder records (`pipelines.prepare --format encoder`), with dynamic
+  masking and, for the last two, next-sentence or sentence-order
+  prediction (`pipelines.encoder_data`). The loss is the masked-LM
+  cross-entropy plus the sentence-pair cross-entropy.
+
+The preset names the family (`gpt-*`, `bert-*`, `albert-*`); `--task auto`
+picks the family's pretraining task (clm, mlm+nsp, mlm+sop).
+"""
+
+import dataclasses
+
+import numpy as np
+import tensorflow as tf
+
+from pipelines import encoder_data, reader
+from tfgpt.config import (  # noqa: F401  (TASKS is re-exported)
+    ALBERT_PRESETS,
+    BERT_PRESETS,
+    GPT_PRESETS,
+    AlbertConfig,
+    BertConfig,
+    GPTConfig,
+    TASKS,
+)
+from tfgpt.training.train_step import cross_entropy
+
+FAMILIES = {
+    "gpt": (GPTConfig, GPT_PRESETS),
+    "bert": (BertConfig, BERT_PRESETS),
+    "albert": (AlbertConfig, ALBERT_PRESETS),
+}
+_FAMILY_TASKS = {
+    "gpt": ("clm",),
+    "bert": ("mlm+nsp", "mlm"),
+    "albert": ("mlm+sop", "mlm"),
+}
+
+
+def family_of_preset(preset):
+    """Returns "gpt", "bert" or "albert" for a preset name."""
+    for family, (_, presets) in FAMILIES.items():
+        if preset in presets:
+            return family
+    known = sorted(name for _, presets in FAMILIES.values() for name in presets)
+    raise ValueError(
+        f"Unknown preset. Received: preset={preset!r}. Expected one of: {', '.join(known)}"
+    )
+
+
+def config_class(family):
+    return FAMILIES[family][0]
+
+
+def resolve_task(task, preset):
+    """Returns the concrete task for `--task` and `--preset`, or raises."""
+    family = family_of_preset(preset)
+    if task == "auto":
+        return _FAMILY_TASKS[family][0]
+    if task not in _FAMILY_TASKS[family]:
+        raise ValueError(
+            f"--task {task} does not train a {family} model (--preset {preset}); "
+            f"it takes --task {' or '.join(_FAMILY_TASKS[family])}"
+        )
+    return task
+
+
+def build_model(family, config, dtype=None):
+    """The model for `family` from its config dataclass."""
+    from tfgpt.models.albert import Albert
+    from tfgpt.models.bert import Bert
+    from tfgpt.models.gpt import GPT
+
+    cls = {"gpt": GPT, "bert": Bert, "albert": Albert}[family]
+    kwargs = dataclasses.asdict(config)
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    return cls(**kwargs)
+
+
+class CausalLanguageModelling:
+    """Next-token prediction on packed records (`input_ids` of seq_len + 1)."""
+
+    name = "clm"
+    data_format = reader.PACKED_FORMAT
+
+    def dataset(self, data_dir, split, batch_size, **options):
+        return reader.make_dataset(data_dir, split, batch_size, **options)
+
+    def loss(self, model, batch, training):
+        inputs, targets = batch
+        return cross_entropy(targets, model(inputs, training=training)), {}
+
+    def evaluation_summary(self, batch, vocabulary_size):
+        """Token counts of the targets, for the unigram baseline."""
+        _, targets = batch
+        return np.bincount(targets.numpy().ravel(), minlength=vocabulary_size)
+
+
+class MaskedLanguageModelling:
+    """Masked-LM (+ next-sentence or sentence-order) pretraining of an encoder.
+
+    Args:
+        name: str. "mlm", "mlm+nsp" or "mlm+sop".
+        family: str. "bert" or "albert".
+    """
+
+    data_format = reader.ENCODER_FORMAT
+
+    def __init__(self, name, family):
+        self.name = name
+        self.family = family
+        self.pair_task = name.split("+")[1] if "+" in name else None
+        # The data always carries a pair label; plain mlm ignores it.
+        self._data_task = self.pair_task or ("nsp" if family == "bert" else "sop")
+        self._pair_label = {"nsp": "next_sentence_label", "sop": "sentence_order_label"}[
+            self._data_task
+        ]
+        self._pair_logits = {"nsp": "nsp_logits", "sop": "sop_logits"}[self._data_task]
+
+    def dataset(self, data_dir, split, batch_size, **options):
+        return encoder_data.make_encoder_dataset(
+            data_dir, split, batch_size, task=self._data_task, **options
+        )
+
+    def loss(self, model, batch, training):
+        features, labels = batch
+        outputs = model(features, training=training)
+        weights = tf.cast(labels["mask_weights"], "float32")
+        mlm_logits = outputs["mlm_logits"]  # (B, P, V) float32
+        mlm_loss = cross_entropy(labels["mask_ids"], mlm_logits, weights)
+        predicted = tf.cast(tf.argmax(mlm_logits, -1), "int32")
+        correct = tf.cast(tf.equal(predicted, tf.cast(labels["mask_ids"], "int32")), "float32")
+        metrics = {
+            "mlm_loss": mlm_loss,
+            "mlm_accuracy": tf.reduce_sum(correct * weights) / tf.maximum(tf.reduce_sum(weights), 1.0),
+        }
+        loss = mlm_loss
+        if self.pair_task:
+            pair_logits = outputs[self._pair_logits]  # (B, 2)
+            pair_labels = labels[self._pair_label]
+            pair_loss = cross_entropy(pair_labels, pair_logits)
+            pair_predicted = tf.cast(tf.argmax(pair_logits, -1), "int32")
+            metrics[f"{self.pair_task}_loss"] = pair_loss
+            metrics[f"{self.pair_task}_accuracy"] = tf.reduce_mean(
+                tf.cast(tf.equal(pair_predicted, tf.cast(pair_labels, "int32")), "float32")
+            )
+            loss = loss + pair_loss
+        return loss, metrics
+
+    def evaluation_summary(self, batch, vocabulary_size):
+        return None
+
+
+def make_task(name, family):
+    if name == "clm":
+        return CausalLanguageModelling()
+    return MaskedLanguageModelling(name, family)
