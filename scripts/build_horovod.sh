@@ -7,6 +7,12 @@
 #   --force          rebuild even if the stamp is current
 #   --check-prereqs  only check the system tools the build needs, then exit
 # PYTHON selects the interpreter (default: .venv/bin/python at the repo root).
+# HOROVOD_GPU_OPERATIONS=NCCL builds the GPU allreduce with NCCL as well (the GPU
+# image, docker/Dockerfile.gpu); it needs nvcc and nccl.h. The CUDA and NCCL
+# location variables of Horovod's CMake (HOROVOD_CUDA_HOME, HOROVOD_NCCL_HOME,
+# HOROVOD_NCCL_INCLUDE, HOROVOD_NCCL_LIB, HOROVOD_NCCL_LINK) and
+# HOROVOD_BUILD_CUDA_CC_LIST pass through from the environment. Unset, the
+# build is the CPU one described below.
 #
 # Why build from source: there is no Horovod wheel for TF 2.21 / Python 3.11,
 # and the 0.28.1 sdist (the newest release) does not compile against TF >= 2.16
@@ -23,6 +29,8 @@ readonly HOROVOD_SDIST_SHA256="92a43f5a94c43907a56805bad15f19700c62ffc83b7ca483f
 readonly BUILD_RECIPE="1"
 readonly XLA_LINE='list(APPEND TF_SOURCES "${PROJECT_SOURCE_DIR}/horovod/tensorflow/xla_mpi_ops.cc")'
 readonly MPI_OPS_LINE='list(APPEND TF_SOURCES "${PROJECT_SOURCE_DIR}/horovod/tensorflow/mpi_ops.cc")'
+readonly STREAM_DECL_LINE='GpuStreamHandle AsGpuStreamValue(Stream* stream);'
+readonly STREAM_INCLUDE_LINE='#include "tensorflow/compiler/xla/stream_executor/stream.h"'
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PYTHON:-$REPO_ROOT/.venv/bin/python}"
@@ -40,6 +48,30 @@ case "${1:-}" in
   *) die "unknown argument '$1' (expected --force or --check-prereqs)" ;;
 esac
 
+GPU_OPERATIONS="${HOROVOD_GPU_OPERATIONS:-}"
+case "$GPU_OPERATIONS" in
+  "" | NCCL) ;;
+  *) die "HOROVOD_GPU_OPERATIONS must be unset (CPU build) or NCCL (this build has Gloo and no MPI). Received: HOROVOD_GPU_OPERATIONS=$GPU_OPERATIONS" ;;
+esac
+
+# Where Horovod's build looks for nvcc (cmake/build_utils.py) and nccl.h
+# (cmake/Modules/FindNCCL.cmake), so a missing one fails here, not minutes in.
+find_nvcc() {
+  local candidate
+  for candidate in "$(command -v nvcc || true)" "${HOROVOD_CUDA_HOME:-/usr/local/cuda}/bin/nvcc"; do
+    [[ -n "$candidate" && -x "$candidate" ]] && { echo "$candidate"; return 0; }
+  done
+  return 1
+}
+find_nccl_header() {
+  local dir
+  for dir in "${HOROVOD_NCCL_INCLUDE:-}" "${HOROVOD_NCCL_HOME:+$HOROVOD_NCCL_HOME/include}" \
+      /usr/include /usr/local/include "${HOROVOD_CUDA_HOME:-/usr/local/cuda}/include"; do
+    [[ -n "$dir" && -f "$dir/nccl.h" ]] && { echo "$dir/nccl.h"; return 0; }
+  done
+  return 1
+}
+
 check_prereqs() {
   [[ -x "$PYTHON" ]] || die "python not found at $PYTHON: run scripts/setup.sh first (or set PYTHON=...)"
   local tool
@@ -51,11 +83,17 @@ check_prereqs() {
   include_dir="$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')"
   [[ -f "$include_dir/Python.h" ]] \
     || die "Python.h missing in $include_dir: apt-get install python3-dev (python3.11-dev)"
+  if [[ "$GPU_OPERATIONS" == "NCCL" ]]; then
+    find_nvcc >/dev/null \
+      || die "HOROVOD_GPU_OPERATIONS=NCCL needs nvcc: not on PATH nor in ${HOROVOD_CUDA_HOME:-/usr/local/cuda}/bin (use an nvidia/cuda *-devel image or set HOROVOD_CUDA_HOME)"
+    find_nccl_header >/dev/null \
+      || die "HOROVOD_GPU_OPERATIONS=NCCL needs nccl.h: apt-get install libnccl-dev, or set HOROVOD_NCCL_HOME / HOROVOD_NCCL_INCLUDE"
+  fi
 }
 
 check_prereqs
 if [[ "$MODE" == "check" ]]; then
-  log "prerequisites OK (gcc, g++, make, Python.h)"
+  log "prerequisites OK (gcc, g++, make, Python.h${GPU_OPERATIONS:+, $(find_nvcc), $(find_nccl_header)})"
   exit 0
 fi
 
@@ -67,7 +105,9 @@ export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-2}"
 # Read the version from the package metadata: importing TF costs seconds.
 TF_VERSION="$("$PYTHON" -c 'import importlib.metadata as m; print(m.version("tensorflow"))' 2>/dev/null)" \
   || die "tensorflow is not installed for $PYTHON: install requirements.txt first (scripts/setup.sh)"
-EXPECTED_STAMP="horovod=$HOROVOD_VERSION tensorflow=$TF_VERSION recipe=$BUILD_RECIPE"
+# A CPU build's stamp reads as it always has; a GPU build's names its operations,
+# so switching between the two rebuilds.
+EXPECTED_STAMP="horovod=$HOROVOD_VERSION tensorflow=$TF_VERSION recipe=$BUILD_RECIPE${GPU_OPERATIONS:+ gpu_operations=$GPU_OPERATIONS}"
 
 # Same test the stamp check and the post-build check use. hvd.init() outside
 # horovodrun starts a size-1 Gloo context; it proves the TF op library loads.
@@ -127,6 +167,36 @@ if grep -q "xla_mpi_ops" "$TF_CMAKE" || ! grep -qxF "$MPI_OPS_LINE" "$TF_CMAKE";
 fi
 log "patched $TF_CMAKE: dropped xla_mpi_ops.cc (does not compile against TF >= 2.16)"
 
+# Second patch, for GPU builds: mpi_ops.cc declares
+# stream_executor::gpu::AsGpuStreamValue() and leaves it to TensorFlow to
+# define, but TF 2.21's libraries no longer export it (a stream's CUDA handle is
+# Stream::platform_specific_handle() now), so a GPU build would fail to load
+# with an undefined symbol. Define it right after the header that declares
+# Stream. It sits under `#if HAVE_GPU`: CPU builds compile it out.
+MPI_OPS_CC="$SRC_DIR/horovod/tensorflow/mpi_ops.cc"
+[[ -f "$MPI_OPS_CC" ]] || die "patch failed: $MPI_OPS_CC not found in the sdist"
+for expected in "$STREAM_DECL_LINE" "$STREAM_INCLUDE_LINE"; do
+  count="$(grep -cxF "$expected" "$MPI_OPS_CC" || true)"
+  [[ "$count" == "1" ]] \
+    || die "patch failed: expected exactly 1 line '$expected' in $MPI_OPS_CC, found $count"
+done
+awk -v anchor="$STREAM_INCLUDE_LINE" '
+  { print }
+  $0 == anchor {
+    print "namespace stream_executor {"
+    print "namespace gpu {"
+    print "// Added by tfgpt scripts/build_horovod.sh: TensorFlow 2.21 does not export this."
+    print "GpuStreamHandle AsGpuStreamValue(Stream* stream) {"
+    print "  return static_cast<GpuStreamHandle>(stream->platform_specific_handle().stream);"
+    print "}"
+    print "} // namespace gpu"
+    print "} // namespace stream_executor"
+  }' "$MPI_OPS_CC" > "$MPI_OPS_CC.patched"
+mv "$MPI_OPS_CC.patched" "$MPI_OPS_CC"
+[[ "$(grep -c 'platform_specific_handle' "$MPI_OPS_CC")" == "1" ]] \
+  || die "patch failed: $MPI_OPS_CC does not look as expected after defining AsGpuStreamValue"
+log "patched $MPI_OPS_CC: defined AsGpuStreamValue (TF 2.21 does not export it; GPU builds only)"
+
 # From here on the installed horovod (if any) no longer matches the stamp.
 rm -f "$STAMP"
 if "$PYTHON" -m pip show horovod >/dev/null 2>&1; then
@@ -143,8 +213,10 @@ export HOROVOD_CMAKE="$CMAKE_BIN"
 export CMAKE_POLICY_VERSION_MINIMUM=3.5
 export HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1
 export HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1
+# HOROVOD_GPU_OPERATIONS and the CUDA/NCCL variables reach Horovod's CMake
+# through the environment as they are; unset, the build has no CUDA at all.
 
-log "building horovod $HOROVOD_VERSION against tensorflow $TF_VERSION"
+log "building horovod $HOROVOD_VERSION against tensorflow $TF_VERSION${GPU_OPERATIONS:+ with GPU operations $GPU_OPERATIONS (nvcc: $(find_nvcc))}"
 log "  this compiles C++ against the TF headers and takes 2-5 minutes on 2 cores"
 log "  (cmake $("$CMAKE_BIN" --version | head -1 | awk '{print $3}'), MAKEFLAGS=$MAKEFLAGS); full output: $LOG"
 
@@ -181,10 +253,11 @@ log "import check: $(tail -n 1 <<<"$import_out")"
 HOROVODRUN="$(dirname "$PYTHON")/horovodrun"
 if ! check_out="$("$HOROVODRUN" --check-build 2>&1)" \
     || ! grep -q '\[X\] TensorFlow' <<<"$check_out" \
-    || ! grep -q '\[X\] Gloo' <<<"$check_out"; then
+    || ! grep -q '\[X\] Gloo' <<<"$check_out" \
+    || { [[ -n "$GPU_OPERATIONS" ]] && ! grep -q "\[X\] $GPU_OPERATIONS" <<<"$check_out"; }; then
   echo "$check_out" >&2
-  die "step 'horovodrun --check-build' does not list TensorFlow and Gloo"
+  die "step 'horovodrun --check-build' does not list TensorFlow and Gloo${GPU_OPERATIONS:+ and $GPU_OPERATIONS}"
 fi
 
 echo "$EXPECTED_STAMP" > "$STAMP"
-log "horovod $HOROVOD_VERSION ready (TensorFlow + Gloo); stamp: $STAMP"
+log "horovod $HOROVOD_VERSION ready (TensorFlow + Gloo${GPU_OPERATIONS:+ + $GPU_OPERATIONS}); stamp: $STAMP"

@@ -7,17 +7,29 @@
 # sha256 of the requirement files it installed, and the Horovod build is
 # skipped while its stamp matches the installed TensorFlow and hvd.init() works.
 # TFGPT_PYTHON=/path/to/python3.11 overrides the interpreter used for the venv.
+# The Docker images (docker/) run this same script with two more settings:
+#   TFGPT_VENV=/opt/venv            where the venv lives (default: .venv at the repo root)
+#   TFGPT_REQUIREMENTS="requirements.txt ..."
+#                                   the requirement files to install, relative to the
+#                                   repo root (default: requirements.txt requirements-test.txt)
 set -euo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO_ROOT"
-VENV="$REPO_ROOT/.venv"
+VENV="${TFGPT_VENV:-$REPO_ROOT/.venv}"
 PY="$VENV/bin/python"
 REQ_STAMP="$VENV/.tfgpt-requirements.sha256"
 
 log() { echo "[setup] $*"; }
 die() { echo "[setup] ERROR: $*" >&2; exit 1; }
 start=$SECONDS
+
+read -r -a REQ_FILES <<< "${TFGPT_REQUIREMENTS:-requirements.txt requirements-test.txt}"
+((${#REQ_FILES[@]})) || die "TFGPT_REQUIREMENTS names no requirement file. Received: TFGPT_REQUIREMENTS='${TFGPT_REQUIREMENTS:-}'"
+for req_file in "${REQ_FILES[@]}"; do
+  [[ -f "$req_file" ]] \
+    || die "requirement file '$req_file' not found in $REPO_ROOT. Received: TFGPT_REQUIREMENTS='${TFGPT_REQUIREMENTS:-}'"
+done
 
 # --- 1. A Python 3.11 to create the venv with -------------------------------
 is_py311() { "$1" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' >/dev/null 2>&1; }
@@ -34,7 +46,7 @@ find_python() {
 }
 
 if [[ -x "$PY" ]] && ! is_py311 "$PY"; then
-  log "existing .venv does not run Python 3.11 (moved or broken): recreating it"
+  log "existing $VENV does not run Python 3.11 (moved or broken): recreating it"
   rm -rf "$VENV"
 fi
 if [[ ! -x "$PY" ]]; then
@@ -51,12 +63,12 @@ PYTHON="$BASE_PY" "$REPO_ROOT/scripts/build_horovod.sh" --check-prereqs
 
 # --- 3. The venv ---------------------------------------------------------------
 if [[ ! -x "$PY" ]]; then
-  log "creating .venv with $BASE_PY ($("$BASE_PY" --version 2>&1))"
-  "$BASE_PY" -m venv "$VENV" || die "step 'python -m venv .venv' failed: apt-get install python3.11-venv"
+  log "creating $VENV with $BASE_PY ($("$BASE_PY" --version 2>&1))"
+  "$BASE_PY" -m venv "$VENV" || die "step 'python -m venv $VENV' failed: apt-get install python3.11-venv"
 fi
 # A venv whose creation was interrupted has a python but no pip.
 if ! "$PY" -m pip --version >/dev/null 2>&1; then
-  log "pip missing in .venv: bootstrapping it with ensurepip"
+  log "pip missing in $VENV: bootstrapping it with ensurepip"
   "$PY" -m ensurepip --upgrade >/dev/null || die "step 'python -m ensurepip' failed: apt-get install python3.11-venv"
 fi
 
@@ -66,7 +78,7 @@ fi
 req_digest() {
   {
     "$PY" --version 2>&1
-    sha256sum requirements.txt requirements-test.txt
+    sha256sum "${REQ_FILES[@]}"
     if [[ -f setup.py ]]; then sha256sum setup.py; fi
     compgen -G '*/__init__.py' | sort || true
   } | sha256sum | cut -d' ' -f1
@@ -79,11 +91,13 @@ else
   log "upgrading pip, setuptools, wheel (Horovod builds with --no-build-isolation and needs them)"
   "$PY" -m pip install --quiet --upgrade pip setuptools wheel \
     || die "step 'pip install --upgrade pip setuptools wheel' failed (see pip output above)"
-  log "installing requirements.txt and requirements-test.txt (TensorFlow is large: a few minutes on a fresh venv)"
+  log "installing ${REQ_FILES[*]} (TensorFlow is large: a few minutes on a fresh venv)"
+  req_args=()
+  for req_file in "${REQ_FILES[@]}"; do req_args+=(-r "$req_file"); done
   # Show what pip fetches and installs, not the wall of already-satisfied lines.
-  if ! "$PY" -m pip install --progress-bar off -r requirements.txt -r requirements-test.txt \
+  if ! "$PY" -m pip install --progress-bar off "${req_args[@]}" \
       | { grep -v '^Requirement already satisfied' || true; }; then
-    die "step 'pip install -r requirements.txt -r requirements-test.txt' failed (see pip output above)"
+    die "step 'pip install ${req_args[*]}' failed (see pip output above)"
   fi
   if [[ -f setup.py ]]; then
     log "installing tfgpt in editable mode"
@@ -97,4 +111,4 @@ fi
 # --- 5. Horovod -----------------------------------------------------------------
 PYTHON="$PY" "$REPO_ROOT/scripts/build_horovod.sh"
 
-log "done in $((SECONDS - start))s: use .venv/bin/python (or 'make test')"
+log "done in $((SECONDS - start))s: use $PY (or 'make test')"
