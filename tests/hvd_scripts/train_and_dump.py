@@ -10,8 +10,8 @@ import sys
 
 import numpy as np
 
-from pipelines import reader
 from tfgpt.distributed.horovod_bridge import HorovodDistribution
+from tfgpt.training import tasks
 from tfgpt.training.flags import parse_flags
 from tfgpt.training.trainer import train
 
@@ -21,14 +21,17 @@ def main(out, argv):
     distribution = HorovodDistribution()
     distribution.configure_devices(train_config.intra_op_threads)
     model, metrics = train(train_config, model_overrides, distribution)
-    first_inputs, _ = next(iter(reader.make_dataset(
+    task = tasks.make_task(tasks.resolve_task(train_config.task, train_config.preset),
+                           tasks.family_of_preset(train_config.preset))
+    first_inputs, _ = next(iter(task.dataset(
         train_config.data, "train", train_config.batch_size, seed=train_config.seed,
         num_shards=distribution.size, shard_index=distribution.rank)))
+    if isinstance(first_inputs, dict):
+        first_inputs = first_inputs["token_ids"]
     np.savez(
         f"{out}/rank-{distribution.rank}.npz",
         first_inputs=first_inputs.numpy(),
         val_loss=metrics["val_loss"],
-        unigram_entropy=metrics["unigram_entropy"],
         **{f"weight_{i}": v.numpy() for i, v in enumerate(model.weights)},
     )
 

@@ -339,7 +339,13 @@ def train(train_config, model_overrides, distribution):
         # Windows end at multiples of log_every (and at step 1), so a resumed
         # run logs the same averages as an uninterrupted one.
         if (current + 1) % train_config.log_every == 0 or last or current == 0:
-            mean_loss = float(distribution.allreduce_mean(window_sums["loss"] / window_steps))
+            # The loss and the task's own metrics, averaged over the window
+            # and the workers in one collective.
+            names = ["loss"] + sorted(set(window_sums) - {"loss", "gradient_norm"})
+            means = distribution.allreduce_mean(
+                tf.stack([tf.cast(window_sums[name], tf.float32) for name in names]) / window_steps
+            ).numpy()
+            mean_loss = float(means[0])
             if not math.isfinite(mean_loss):
                 raise TrainingDiverged(
                     f"loss is {mean_loss} at step {current + 1}; stopping without saving "
@@ -351,6 +357,7 @@ def train(train_config, model_overrides, distribution):
                 "perplexity": math.exp(min(mean_loss, 50.0)),
                 "learning_rate": float(optimizer.learning_rate),
                 "gradient_norm": float(step_metrics["gradient_norm"]),
+                **{name: float(value) for name, value in zip(names[1:], means[1:])},
             }
             if train_config.mixed_precision == "float16":
                 metrics["loss_scale"] = float(optimizer.dynamic_scale)
