@@ -1,58 +1,46 @@
-"""Train a GPT with a tf.distribute strategy.
+"""Train a GPT, BERT or ALBERT with a tf.distribute strategy.
 
     python train_mirrored.py --strategy mirrored --data data/demo --preset gpt-demo --steps 300
 
-`--strategy multi-worker` runs one process per worker, each with the
-cluster in `TF_CONFIG`. The flags are TrainConfig's and GPTConfig's
-fields (see `--help`), the same as train_hvd.py's.
+`--strategy multi-worker` runs one process per worker with the cluster in
+`TF_CONFIG`. The flags are TrainConfig's and the model configs' fields
+(see `--help`), the same as train_hvd.py's, plus `--strategy`.
 """
 
-import json
-import os
 import sys
 
 from tfgpt.training.flags import parse_flags
 from tfgpt.training.trainer import TrainingDiverged, train
 
 
-def add_strategy_arguments(parser):
+def add_strategy_flags(parser):
+    # Distribute: the strategy, and CPU replicas for machines without GPUs.
     from tfgpt.distributed.strategy import STRATEGIES
 
     group = parser.add_argument_group("tf.distribute")
     group.add_argument("--strategy", choices=STRATEGIES, default="mirrored")
-    group.add_argument(
-        "--logical-cpus", type=int, default=0,
-        help="split the CPU into this many logical devices (replicas without GPUs)",
-    )
+    group.add_argument("--logical-cpus", type=int, default=0,
+                       help="split the CPU into this many logical devices (replicas)")
     return ("strategy", "logical_cpus")
 
 
 def main(argv=None):
     # Config: parsed and validated before TensorFlow starts.
-    train_config, model_overrides, extras = parse_flags(
-        argv, description=__doc__, add_arguments=add_strategy_arguments
+    train_config, model_overrides, flags = parse_flags(
+        argv, description=__doc__, add_arguments=add_strategy_flags
     )
     if train_config.fp16_allreduce:
         print("error: --fp16-allreduce is a Horovod option (train_hvd.py)", file=sys.stderr)
         return 2
 
     # Devices.
-    import tensorflow as tf
+    from tfgpt.distributed.strategy import StrategyDistribution
 
-    from tfgpt.distributed.strategy import StrategyDistribution, make_strategy
-
-    # Distribute: workers sharing a machine split its cores, as Horovod's ranks do.
-    workers_here = len(json.loads(os.environ.get("TF_CONFIG", "{}")).get("cluster", {}).get("worker", [0]))
-    threads = train_config.intra_op_threads or max(1, (os.cpu_count() or 1) // workers_here)
-    tf.config.threading.set_intra_op_parallelism_threads(threads)
-    if extras["logical_cpus"] > 1:
-        # Distribute: one replica per logical CPU device.
-        cpu = tf.config.list_physical_devices("CPU")[0]
-        tf.config.set_logical_device_configuration(
-            cpu, [tf.config.LogicalDeviceConfiguration()] * extras["logical_cpus"]
-        )
-    # Distribute: the strategy decides the replicas; variables are mirrored.
-    distribution = StrategyDistribution(make_strategy(extras["strategy"]))
+    # Distribute: replicas from the strategy; variables are mirrored on them.
+    # Distribute: the CPU cores split between workers on one machine.
+    distribution = StrategyDistribution.create(
+        flags["strategy"], flags["logical_cpus"], train_config.intra_op_threads
+    )
 
     # Data, model, optimizer, loop, save: the shared core.
     try:

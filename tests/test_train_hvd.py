@@ -81,6 +81,22 @@ def test_two_ranks_read_different_data_learn_and_end_identical(tiny_data, tmp_pa
 
 
 @pytest.mark.distributed
+def test_fp16_allreduce_keeps_ranks_identical(tiny_data, tmp_path):
+    flags = ["--data", tiny_data, "--out", tmp_path / "run", "--steps", "6", "--batch-size", "4",
+             "--log-every", "3", "--eval-batches", "1", "--peak-flops", "1e10",
+             "--fp16-allreduce", *TINY_MODEL]
+    code, output = horovodrun(2, REPO / "tests" / "hvd_scripts" / "train_and_dump.py",
+                              tmp_path, *flags)
+    assert code == 0, output
+    ranks = [np.load(tmp_path / f"rank-{rank}.npz") for rank in (0, 1)]
+    weights = [key for key in ranks[0] if key.startswith("weight_")]
+    for key in weights:
+        np.testing.assert_array_equal(ranks[0][key], ranks[1][key], err_msg=key)
+    losses = _train_losses(tmp_path / "run")
+    assert losses[6] < losses[1]
+
+
+@pytest.mark.distributed
 def test_train_hvd_entry_point_resumes_and_refuses_to_overwrite(tiny_data, tmp_path):
     run_dir = tmp_path / "run"
     base = [REPO / "train_hvd.py", "--data", tiny_data, "--out", run_dir,

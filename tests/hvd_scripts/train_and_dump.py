@@ -18,7 +18,9 @@ from tfgpt.training.trainer import train
 
 def main(out, argv):
     train_config, model_overrides = parse_flags(argv)
-    distribution = HorovodDistribution()
+    distribution = HorovodDistribution(
+        compression="fp16" if train_config.fp16_allreduce else "none"
+    )
     distribution.configure_devices(train_config.intra_op_threads)
     model, metrics = train(train_config, model_overrides, distribution)
     task = tasks.make_task(tasks.resolve_task(train_config.task, train_config.preset),

@@ -1,5 +1,8 @@
 """tf.distribute strategies behind the trainer core's distribution interface."""
 
+import json
+import os
+
 import tensorflow as tf
 
 from tfgpt.distributed.local import LocalDistribution
@@ -46,6 +49,26 @@ class StrategyDistribution(LocalDistribution):
     >>> distribution.size  # replicas in sync
     1
     """
+
+    @classmethod
+    def create(cls, name, logical_cpus=0, intra_op_threads=0):
+        """Configures the devices, then builds the strategy called `name`.
+
+        Workers that share a machine (multi-worker on one host, read from
+        `TF_CONFIG`) split its cores, as Horovod's ranks do;
+        `logical_cpus` > 1 splits the CPU into that many replicas.
+        """
+        cluster = json.loads(os.environ.get("TF_CONFIG", "{}")).get("cluster", {})
+        hosts = [address.rsplit(":", 1)[0] for address in cluster.get("worker", [])]
+        workers_here = max(1, sum(host in ("localhost", "127.0.0.1") for host in hosts))
+        threads = intra_op_threads or max(1, (os.cpu_count() or 1) // workers_here)
+        tf.config.threading.set_intra_op_parallelism_threads(threads)
+        if logical_cpus > 1:
+            cpu = tf.config.list_physical_devices("CPU")[0]
+            tf.config.set_logical_device_configuration(
+                cpu, [tf.config.LogicalDeviceConfiguration()] * logical_cpus
+            )
+        return cls(make_strategy(name))
 
     def __init__(self, strategy):
         self.strategy = strategy
