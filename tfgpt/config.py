@@ -231,6 +231,16 @@ class TrainConfig:
             measures a chain of 2048x2048 matmuls in the training dtype at
             start-up.
         fp16_allreduce: bool. Horovod only: send gradients as float16.
+        recompute: bool. Keep only each transformer block's input for the
+            backward pass and recompute the rest there (`tf.recompute_grad`):
+            less activation memory for about a third more compute, same
+            gradients. A training-time choice the trainer applies to the
+            model (`tfgpt.layers.transformer_block.set_recompute`), not part
+            of the architecture; GPT models only.
+        profile_steps: str. `START,END`: record a TensorFlow profiler trace
+            of steps START to END (1-based and inclusive, as logged) in
+            OUT/profile, on the chief only (`python -m bench.profile_summary
+            OUT/profile` prints where the time went). Empty: no trace.
     """
 
     data: str = ""
@@ -260,8 +270,11 @@ class TrainConfig:
     intra_op_threads: int = 0
     peak_flops: float = 0.0
     fp16_allreduce: bool = False
+    recompute: bool = False
+    profile_steps: str = ""
 
     def __post_init__(self):
+        self.profile_range()  # validates profile_steps
         if not self.data:
             raise ValueError("`data` is required: the directory written by pipelines.prepare.")
         for name in ("steps", "batch_size", "log_every", "keep_checkpoints", "accumulation_steps"):
@@ -298,6 +311,23 @@ class TrainConfig:
                 raise ValueError(
                     f"`{name}` must be non-negative. Received: {name}={getattr(self, name)!r}"
                 )
+
+
+    def profile_range(self):
+        """`profile_steps` as `(start, end)`, or None when empty."""
+        if not self.profile_steps:
+            return None
+        parts = self.profile_steps.split(",")
+        try:
+            start, end = (int(part) for part in parts)
+        except ValueError:
+            start = end = None
+        if start is None or not 1 <= start <= end:
+            raise ValueError(
+                "`profile_steps` must be START,END with 1 <= START <= END. "
+                f"Received: profile_steps={self.profile_steps!r}"
+            )
+        return start, end
 
 
 def _preset_config(cls, presets, name, overrides):

@@ -1,6 +1,7 @@
 """One decoder block: causal self-attention and a feed-forward network."""
 
 import keras
+import tensorflow as tf
 
 from tfgpt.layers.causal_self_attention import CausalSelfAttention
 
@@ -32,11 +33,23 @@ class TransformerBlock(keras.layers.Layer):
         norm_first: bool. Pre-LN when True, post-LN when False.
         layer_norm_epsilon: float. Epsilon of both layer norms.
 
+    Activation recomputation (`block.recompute = True`, or
+    `set_recompute(model, True)` for every block of a model) keeps only the
+    block's input for the backward pass and runs the block again there
+    (`tf.recompute_grad`; Chen et al. 2016): activation memory per block
+    drops to one (B, T, C) tensor for about a third more compute. It is a
+    training-time choice, not part of the architecture: it is not a
+    constructor argument and not in `get_config()`. Gradients are unchanged,
+    dropout included (the recomputation replays the same dropout masks).
+
     Example:
     >>> block = TransformerBlock(hidden_dim=8, num_heads=2, intermediate_dim=32)
     >>> block(keras.ops.zeros((1, 3, 8))).shape
     TensorShape([1, 3, 8])
     """
+
+    # Training-time option, see the class docstring.
+    recompute = False
 
     def __init__(
         self,
@@ -113,6 +126,30 @@ class TransformerBlock(keras.layers.Layer):
         `CausalSelfAttention`; with a cache the updated cache is returned as
         a second output.
         """
+        if self.recompute and training and cache is None:
+            return self._recomputed(inputs, padding_mask, training)
+        return self._apply(inputs, padding_mask, cache, cache_index, training)
+
+    def _recomputed(self, inputs, padding_mask, training):
+        # Dropout draws each mask from its SeedGenerator's state and advances
+        # it. The recomputation in the backward pass rewinds the states to
+        # their values before the forward pass, so it replays the same masks
+        # and leaves the states where the forward pass left them.
+        states = [
+            variable.value
+            for variable in self.variables
+            if "seed_generator_state" in variable.path
+        ] if self.dropout > 0 else []
+        saved = [tf.identity(state) for state in states]
+
+        def block(x):
+            for state, value in zip(states, saved):
+                state.assign(value)
+            return self._apply(x, padding_mask, None, 0, training)
+
+        return tf.recompute_grad(block)(inputs)
+
+    def _apply(self, inputs, padding_mask, cache, cache_index, training):
         x = inputs
         attention_input = self.attention_norm(x) if self.norm_first else x
         attended = self.attention(
@@ -146,3 +183,12 @@ class TransformerBlock(keras.layers.Layer):
             layer_norm_epsilon=self.layer_norm_epsilon,
         )
         return config
+
+
+def set_recompute(model, enabled):
+    """Turns activation recomputation on or off in every TransformerBlock of
+    `model`; returns how many blocks there are (0: the option does nothing)."""
+    blocks = [layer for layer in model._flatten_layers() if isinstance(layer, TransformerBlock)]
+    for block in blocks:
+        block.recompute = enabled
+    return len(blocks)

@@ -19,7 +19,9 @@ import tensorflow as tf
 from pipelines import reader
 from tfgpt.training import flops, tasks
 from tfgpt.training.checkpointing import Checkpointer, read_config
+from tfgpt.layers.transformer_block import set_recompute
 from tfgpt.training.optimizers import make_optimizer
+from tfgpt.training.profiling import StepProfiler
 from tfgpt.training.reporter import Reporter
 from tfgpt.training.train_step import EvalStep, TrainStep
 
@@ -207,6 +209,11 @@ def train(train_config, model_overrides, distribution):
         optimizer.build(model.trainable_variables)
         step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
     report.info(f"model: {model.count_params():,} parameters {model_config}")
+    # Recomputation is a training-time choice, not architecture (not in config.json's model).
+    if train_config.recompute and not set_recompute(model, True):
+        raise ValueError(
+            f"--recompute recomputes GPT blocks; --preset {train_config.preset} has none"
+        )
     train_step = TrainStep(
         model,
         optimizer,
@@ -328,9 +335,15 @@ def train(train_config, model_overrides, distribution):
     tokens_per_step = global_batch * sequence_length
     metrics, mean_loss = {}, float("nan")
     window_start, window_steps, window_sums = time.perf_counter(), 0, {}
+    profiler = StepProfiler(
+        train_config.profile_range(), os.path.join(out, "profile"), distribution.is_chief
+    )
     for current in range(start, train_config.steps):
+        profiler.before(current + 1)
         step_metrics = train_step(next(batches))
         step.assign(current + 1)
+        if profiler.after(current + 1, step_metrics, current + 1 == train_config.steps):
+            report.info(f"profiler trace of steps {train_config.profile_steps} in {profiler.directory}")
         window_sums = {
             name: window_sums.get(name, 0.0) + value for name, value in step_metrics.items()
         }
