@@ -116,6 +116,7 @@ Errors are reported as one line `error: ...` on stderr with exit status 2.
 """
 
 import argparse
+import concurrent.futures
 import fcntl
 import hashlib
 import heapq
@@ -125,6 +126,7 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 from typing import Callable, List, Optional, Sequence
 
@@ -592,9 +594,18 @@ class _SplitWriter:
 _WORKER = {"job": None, "counters": None, "tokenizer": None}
 
 
+def _exit_when_orphaned(parent_pid: int) -> None:
+    """End this worker if the main process dies (e.g. `kill -9`): nobody will collect its work."""
+    while True:
+        time.sleep(0.5)
+        if os.getppid() != parent_pid:
+            os._exit(1)
+
+
 def _initialize_worker(job: dict, shared_counters) -> None:
     # Ctrl-C goes to the whole process group: the parent handles it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
     _WORKER["job"] = job
     _WORKER["counters"] = _Counters(shared_counters)
     _WORKER["tokenizer"] = None
@@ -743,8 +754,18 @@ def _on_chunk_encoded(chunk_index: int) -> None:
     """Called after each chunk's shards are recorded in the state file (a test hook)."""
 
 
+class WorkerDied(RuntimeError):
+    """A worker process ended abnormally (killed, out of memory): an interruption."""
+
+
 class _ChunkRunner:
-    """Runs per-chunk tasks in a process pool, or in this process for one worker."""
+    """Runs per-chunk tasks in a process pool, or in this process for one worker.
+
+    The pool is a `concurrent.futures.ProcessPoolExecutor`: a worker that
+    dies (`kill -9`, the out-of-memory killer) fails the run at once with
+    `WorkerDied` instead of leaving its task waiting forever, as a
+    `multiprocessing.Pool` would.
+    """
 
     def __init__(self, job: dict, workers: int):
         self.job = job
@@ -758,7 +779,9 @@ class _ChunkRunner:
             context = multiprocessing.get_context(method)
             shared = context.Array("q", 3)
             self.counters = _Counters(shared)
-            self.pool = context.Pool(workers, _initialize_worker, (job, shared))
+            self.pool = concurrent.futures.ProcessPoolExecutor(
+                workers, mp_context=context, initializer=_initialize_worker, initargs=(job, shared)
+            )
         else:
             _WORKER["job"] = job
             _WORKER["counters"] = self.counters
@@ -773,25 +796,29 @@ class _ChunkRunner:
                 yield _run_task(task)
             self.counters.on_update = None
             return
-        results = self.pool.imap_unordered(_run_task, tasks)
-        remaining = len(tasks)
-        while remaining:
-            try:
-                result = results.next(timeout=0.25)
-            except multiprocessing.TimeoutError:
-                progress.update(*self.counters.values())
-                continue
-            remaining -= 1
+        pending = {self.pool.submit(_run_task, task) for task in tasks}
+        while pending:
+            done, pending = concurrent.futures.wait(
+                pending, timeout=0.25, return_when=concurrent.futures.FIRST_COMPLETED
+            )
             progress.update(*self.counters.values())
-            yield result
+            for future in done:
+                try:
+                    result = future.result()
+                except concurrent.futures.process.BrokenProcessPool as error:
+                    raise WorkerDied(
+                        f"a {phase} worker process died ({error}); finished chunks are kept: "
+                        "rerun the same command to resume"
+                    ) from None
+                yield result
 
     def close(self, terminate: bool = False) -> None:
         if self.pool is not None:
             if terminate:
-                self.pool.terminate()
-            else:
-                self.pool.close()
-            self.pool.join()
+                # The executor has no terminate(): stop its processes directly.
+                for process in list((self.pool._processes or {}).values()):
+                    process.terminate()
+            self.pool.shutdown(wait=True, cancel_futures=True)
             self.pool = None
         _WORKER.update(job=None, counters=None, tokenizer=None)
 
@@ -1322,7 +1349,7 @@ def prepare(
         start = time.perf_counter()
         _commit(output_directory, tokenizer_temporary, tokenizer.filename, chunk_results, manifest)
         timings["commit_seconds"] = time.perf_counter() - start
-    except (KeyboardInterrupt, SystemExit):
+    except (KeyboardInterrupt, SystemExit, WorkerDied):
         if runner is not None:
             runner.close(terminate=True)
         log(
@@ -1599,7 +1626,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             text_key=arguments.text_key,
             interactive_progress=sys.stderr.isatty(),
         )
-    except (ValueError, OSError) as error:
+    except (ValueError, OSError, WorkerDied) as error:
         message = (
             str(error)
             if not isinstance(error, OSError)

@@ -273,8 +273,9 @@ class SegmentReader:
     """The documents of one segment of one source.
 
     Iterating yields str documents; `consumed` is the number of on-disk bytes
-    of the source read so far (for progress), `empty_documents` the number of
-    whitespace-only JSON texts skipped.
+    of the source read so far (for progress; 0 for TFDS and the default
+    corpus, which have no size), `empty_documents` the number of
+    whitespace-only texts skipped.
 
     Args:
         source: Source.
@@ -432,7 +433,6 @@ class SegmentReader:
         from pipelines import default_corpus
 
         for document in default_corpus.iter_documents():
-            self.consumed += len(document)
             if not document.strip():
                 self.empty_documents += 1
                 continue
@@ -464,7 +464,6 @@ class SegmentReader:
                 )
             value = example[self.text_key]
             text = value.decode("utf-8") if isinstance(value, bytes) else str(value)
-            self.consumed += len(value) if isinstance(value, bytes) else 0
             if not text.strip():
                 self.empty_documents += 1
                 continue

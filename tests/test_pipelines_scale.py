@@ -271,12 +271,52 @@ def test_resume_after_kill_9(many_files, tokenizer_path, reference_run, tmp_path
     for path in many_files["inputs"]:
         argv += ["--input", path]
     environment = dict(os.environ, CRASH="1")
-    crashed = subprocess.run(argv, cwd=REPOSITORY, env=environment, capture_output=True, text=True)
+    # The timeout fails the test if the killed run's workers outlive it
+    # (they hold its output pipes open).
+    crashed = subprocess.run(
+        argv, cwd=REPOSITORY, env=environment, capture_output=True, text=True, timeout=120
+    )
     assert crashed.returncode == -9, crashed.stderr
     assert not glob.glob(str(tmp_path / "out" / "*.tfrecord"))
-    completed = subprocess.run(argv, cwd=REPOSITORY, capture_output=True, text=True)
+    completed = subprocess.run(argv, cwd=REPOSITORY, capture_output=True, text=True, timeout=120)
     assert completed.returncode == 0, completed.stderr
     assert "resuming: 2 of " in completed.stderr
+    assert shard_digests(tmp_path / "out") == shard_digests(data_dir)
+
+
+@pytest.mark.slow
+def test_a_dead_worker_fails_the_run_at_once_and_the_rerun_completes(
+    many_files, tokenizer_path, reference_run, tmp_path
+):
+    """A worker killed mid-chunk (as by the out-of-memory killer) must not hang the run."""
+    data_dir, _ = reference_run
+    script = textwrap.dedent(
+        """
+        import os, signal, sys
+        from pipelines import prepare
+        real = prepare._encode_chunk
+        def dying(job, chunk_index, segments, counters):
+            if chunk_index == 3 and os.environ.get("CRASH"):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(job, chunk_index, segments, counters)
+        prepare._encode_chunk = dying  # Forked workers inherit it.
+        sys.exit(prepare.main(sys.argv[1:]))
+        """
+    )
+    argv = [sys.executable, "-c", script, "--output", str(tmp_path / "out")]
+    argv += ["--seq-len", str(SEQ_LEN), "--tokenizer", tokenizer_path, "--shard-size", "2048"]
+    argv += ["--chunk-size", "6000", "--val-fraction", "0.2", "--seed", "3", "--workers", "2"]
+    for path in many_files["inputs"]:
+        argv += ["--input", path]
+    crashed = subprocess.run(
+        argv, cwd=REPOSITORY, env=dict(os.environ, CRASH="1"), capture_output=True, text=True,
+        timeout=120,
+    )
+    assert crashed.returncode == 2
+    assert "error: a encode worker process died" in crashed.stderr
+    assert prepare.STATE_FILENAME in os.listdir(tmp_path / "out")
+    completed = subprocess.run(argv, cwd=REPOSITORY, capture_output=True, text=True, timeout=120)
+    assert completed.returncode == 0, completed.stderr
     assert shard_digests(tmp_path / "out") == shard_digests(data_dir)
 
 
