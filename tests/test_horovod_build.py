@@ -4,52 +4,27 @@
 two-process Gloo job must compute a correct allreduce on every rank.
 """
 
-import os
 import re
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests import launch
+
 HOROVOD_VERSION = "0.28.1"
-HOROVODRUN = Path(sys.executable).parent / "horovodrun"
+HOROVODRUN = launch.HOROVODRUN
 ALLREDUCE_SCRIPT = Path(__file__).parent / "hvd_scripts" / "allreduce_check.py"
-# A hung Gloo rendezvous must fail the test, not block CI.
-TIMEOUT_SECONDS = 300
 
 
-def run(command, timeout=TIMEOUT_SECONDS):
-    """Run `command`, return (returncode, combined output).
-
-    The command gets its own process group so that on timeout the workers
-    horovodrun started are killed too, not just horovodrun.
-    """
+def run(command):
+    """`tests.launch.run`, after checking that horovodrun was installed."""
     if not HOROVODRUN.exists():
         pytest.fail(
             f"{HOROVODRUN} not found: Horovod is not installed in this venv; "
             "run scripts/setup.sh (or scripts/build_horovod.sh)"
         )
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    process = subprocess.Popen(
-        [str(part) for part in command],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
-    try:
-        output, _ = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(
-            f"timed out after {timeout}s: {' '.join(map(str, command))}\n"
-            f"--- output ---\n{output}"
-        )
-    return process.returncode, output
+    return launch.run(command)
 
 
 def parse_check_build(output):

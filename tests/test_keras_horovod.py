@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from pipelines import prepare, reader
+from pipelines import reader
 from tests.launch import REPO, horovodrun
-from tests.test_train_hvd import pattern_corpus
+from tests.synthetic import pattern_corpus
 from tfgpt import GPT
 from tfgpt.distributed import keras_horovod
 from tfgpt.distributed.keras_horovod import (
@@ -279,20 +279,6 @@ def test_rank_zero_only_keeps_writers_on_rank_zero():
 
 
 # --- model.fit on one device, on the real reader ------------------------------
-
-
-@pytest.fixture(scope="module")
-def tiny_data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("data")
-    pattern_corpus(root / "corpus.txt")
-    out = root / "prepared"
-    code = prepare.main([
-        "--input", str(root / "corpus.txt"), "--output", str(out),
-        "--seq-len", "16", "--vocab-size", "300", "--shard-size", "8K",
-        "--val-fraction", "0.1",
-    ])
-    assert code == 0
-    return out
 
 
 def fit_on_reader(data, callbacks=(), epochs=3, steps_per_epoch=20):

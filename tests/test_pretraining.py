@@ -1,31 +1,19 @@
 """Encoder pretraining through the trainer core: --task mlm, mlm+nsp, mlm+sop."""
 
 import json
-import random
 import sys
 
 import numpy as np
 import pytest
 
 from tests.launch import REPO, horovodrun, run
+from tests.synthetic import repeated_letter_corpus
 
 TINY_ALBERT = ["--preset", "albert-demo", "--num-layers", "2", "--hidden-dim", "64",
                "--num-heads", "4", "--intermediate-dim", "128", "--embedding-dim", "32",
                "--max-sequence-length", "32"]
 TINY_BERT = ["--preset", "bert-demo", "--num-layers", "2", "--hidden-dim", "32",
              "--num-heads", "2", "--intermediate-dim", "48", "--max-sequence-length", "32"]
-
-
-def repeated_letter_corpus(path, documents=600, seed=0):
-    """Sentences that repeat one letter: a masked letter is its neighbours'."""
-    rng = random.Random(seed)
-    letters = "abcdefghijklmnopqrst"
-    docs = []
-    for _ in range(documents):
-        sentences = [" ".join([rng.choice(letters)] * rng.randint(5, 8)) + "."
-                     for _ in range(rng.randint(3, 6))]
-        docs.append(" ".join(sentences))
-    path.write_text("\n\n".join(docs) + "\n")
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +88,7 @@ def test_task_and_family_mismatches_are_flag_errors(flags, message, tmp_path):
 
 
 def test_masked_lm_on_packed_data_names_the_format(tmp_path):
-    from tests.test_train_hvd import pattern_corpus
+    from tests.synthetic import pattern_corpus
     from pipelines import prepare
 
     pattern_corpus(tmp_path / "corpus.txt", documents=100)

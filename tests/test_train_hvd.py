@@ -1,50 +1,18 @@
 """train_hvd.py end to end: real data pipeline, real horovodrun, two ranks."""
 
 import json
-import random
 import sys
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from pipelines import prepare
 from tests.launch import REPO, horovodrun, run
 
 TINY_MODEL = [
     "--num-layers", "2", "--num-heads", "2", "--hidden-dim", "32",
     "--intermediate-dim", "48", "--max-sequence-length", "16",
 ]
-
-
-def pattern_corpus(path, documents=400, seed=0):
-    """Sentences from a tiny grammar: learnable, so the loss must fall."""
-    rng = random.Random(seed)
-    subjects = ["the cat", "a dog", "my friend", "the old man", "our teacher"]
-    verbs = ["reads", "finds", "likes", "paints", "sells"]
-    objects = ["a book", "the red ball", "some bread", "a small boat", "the map"]
-    lines = []
-    for _ in range(documents):
-        sentences = [
-            f"{rng.choice(subjects)} {rng.choice(verbs)} {rng.choice(objects)}."
-            for _ in range(rng.randint(2, 5))
-        ]
-        lines.append(" ".join(sentences) + "\n\n")
-    path.write_text("".join(lines))
-
-
-@pytest.fixture(scope="module")
-def tiny_data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("data")
-    pattern_corpus(root / "corpus.txt")
-    out = root / "prepared"
-    code = prepare.main([
-        "--input", str(root / "corpus.txt"), "--output", str(out),
-        "--seq-len", "16", "--vocab-size", "300", "--shard-size", "8K",
-        "--val-fraction", "0.1",
-    ])
-    assert code == 0
-    return out
 
 
 @pytest.mark.distributed

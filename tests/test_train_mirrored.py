@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from tests.launch import REPO, horovodrun, run
-from tests.test_train_hvd import TINY_MODEL, _checkpoint_tensors, _train_losses, pattern_corpus
+from tests.synthetic import pattern_corpus
+from tests.test_train_hvd import TINY_MODEL, _checkpoint_tensors, _train_losses
 
 pytestmark = pytest.mark.distributed
 

@@ -263,7 +263,7 @@ def test_float16_overflow_skips_the_update_and_halves_the_scale():
 @pytest.fixture(scope="module")
 def small_data(tmp_path_factory):
     from pipelines import prepare
-    from tests.test_train_hvd import pattern_corpus
+    from tests.synthetic import pattern_corpus
 
     root = tmp_path_factory.mktemp("data")
     pattern_corpus(root / "corpus.txt", documents=200)
