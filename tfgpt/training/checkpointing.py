@@ -74,7 +74,11 @@ class Checkpointer:
         os.makedirs(self.directory, exist_ok=True)
         write_json_atomically(os.path.join(self.directory, CONFIG_FILE), config)
         if tokenizer_path:
+            # A SentencePiece model is always `tokenizer.model` in a run
+            # directory; other tokenizers (a WordPiece vocab.txt) keep their name.
             name = os.path.basename(tokenizer_path)
+            if name.endswith(".model"):
+                name = TOKENIZER_FILE
             shutil.copyfile(tokenizer_path, os.path.join(self.directory, name))
 
     def save(self, step):
