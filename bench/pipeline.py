@@ -105,8 +105,7 @@ def huggingface_tokenizer(model_proto, path):
     return tokenizer
 
 
-REFERENCE_SCRIPT = textwrap.dedent(
-    """
+REFERENCE_SCRIPT = textwrap.dedent("""
     import json, sys
     import numpy as np
     from tokenizers import Tokenizer
@@ -117,7 +116,9 @@ REFERENCE_SCRIPT = textwrap.dedent(
         batch = []
         def flush():
             encodings = tokenizer.encode_batch(batch, add_special_tokens=False)
-            ids = np.concatenate([part for e in encodings for part in (np.asarray(e.ids, np.int32), eos)])
+            ids = np.concatenate(
+                [part for e in encodings for part in (np.asarray(e.ids, np.int32), eos)]
+            )
             ids.tofile(output)
             batch.clear()
         for line in corpus:
@@ -126,11 +127,9 @@ REFERENCE_SCRIPT = textwrap.dedent(
                 flush()
         if batch:
             flush()
-    """
-)
+    """)
 
-READER_SCRIPT = textwrap.dedent(
-    """
+READER_SCRIPT = textwrap.dedent("""
     import json, sys, time
     from pipelines import reader
     data_dir, workers, index, seconds, batch_size = sys.argv[1:6]
@@ -148,8 +147,7 @@ READER_SCRIPT = textwrap.dedent(
     elapsed = time.perf_counter() - start
     print(json.dumps({"tokens_per_second": batches * int(batch_size) * sequence_length / elapsed,
                       "batches": batches, "seconds": elapsed}))
-    """
-)
+    """)
 
 
 def timed(argv, environment=None):
@@ -214,9 +212,15 @@ def main():
     parser.add_argument("--vocab-size", type=int, default=8000)
     parser.add_argument("--reader-seconds", type=float, default=10.0)
     parser.add_argument("--train-steps", type=int, default=10)
-    parser.add_argument("--repeats", type=int, default=2, help="preparation rounds; the best counts")
-    parser.add_argument("--workdir", help="keep the corpus and outputs here (default: a temporary directory)")
-    parser.add_argument("--json", default=os.path.join(tempfile.gettempdir(), "tfgpt_pipeline_bench.json"))
+    parser.add_argument(
+        "--repeats", type=int, default=2, help="preparation rounds; the best counts"
+    )
+    parser.add_argument(
+        "--workdir", help="keep the corpus and outputs here (default: a temporary directory)"
+    )
+    parser.add_argument(
+        "--json", default=os.path.join(tempfile.gettempdir(), "tfgpt_pipeline_bench.json")
+    )
     arguments = parser.parse_args()
 
     from pipelines.tokenizer import train_tokenizer
@@ -246,8 +250,12 @@ def main():
     hf_tokenizer = huggingface_tokenizer(tokenizer.model_proto, hf_path)
     check = sample[:2000]
     spm_ids = tokenizer.encode_batch(check)
-    hf_ids = [encoding.ids for encoding in hf_tokenizer.encode_batch(check, add_special_tokens=False)]
-    results["reference_identical_documents"] = sum(a == b for a, b in zip(spm_ids, hf_ids)) / len(check)
+    hf_ids = [
+        encoding.ids for encoding in hf_tokenizer.encode_batch(check, add_special_tokens=False)
+    ]
+    results["reference_identical_documents"] = sum(a == b for a, b in zip(spm_ids, hf_ids)) / len(
+        check
+    )
     results["reference_tokens_ratio"] = sum(map(len, hf_ids)) / sum(map(len, spm_ids))
 
     # Preparation, both sides, 1 and 2 cores, interleaved so that a busy spell
@@ -258,22 +266,56 @@ def main():
         for workers in (1, 2):
             output = os.path.join(workdir, f"data-{workers}")
             seconds, _ = timed(
-                [sys.executable, "-m", "pipelines.prepare", "--input", corpus, "--output", output,
-                 "--seq-len", str(SEQ_LEN), "--tokenizer", model_path, "--workers", str(workers),
-                 "--shard-size", "64M", "--chunk-size", "8M", "--overwrite"]
+                [
+                    sys.executable,
+                    "-m",
+                    "pipelines.prepare",
+                    "--input",
+                    corpus,
+                    "--output",
+                    output,
+                    "--seq-len",
+                    str(SEQ_LEN),
+                    "--tokenizer",
+                    model_path,
+                    "--workers",
+                    str(workers),
+                    "--shard-size",
+                    "64M",
+                    "--chunk-size",
+                    "8M",
+                    "--overwrite",
+                ]
             )
             with open(os.path.join(output, "manifest.json")) as manifest_file:
                 tokens = json.load(manifest_file)["totals"]["tokens"]
             record(results["prepare"], workers, seconds, text_bytes, tokens)
-            print(f"round {round_index + 1}: prepare --workers {workers}: {seconds:.1f} s", flush=True)
-            environment = dict(os.environ, RAYON_NUM_THREADS=str(workers), TOKENIZERS_PARALLELISM="true")
+            print(
+                f"round {round_index + 1}: prepare --workers {workers}: {seconds:.1f} s", flush=True
+            )
+            environment = dict(
+                os.environ, RAYON_NUM_THREADS=str(workers), TOKENIZERS_PARALLELISM="true"
+            )
             ids_path = os.path.join(workdir, f"reference-{workers}.int32")
             seconds, _ = timed(
-                [sys.executable, "-c", REFERENCE_SCRIPT, hf_path, corpus, ids_path, str(tokenizer.eos_id)],
+                [
+                    sys.executable,
+                    "-c",
+                    REFERENCE_SCRIPT,
+                    hf_path,
+                    corpus,
+                    ids_path,
+                    str(tokenizer.eos_id),
+                ],
                 environment,
             )
-            record(results["reference"], workers, seconds, text_bytes, os.path.getsize(ids_path) // 4)
-            print(f"round {round_index + 1}: reference, {workers} thread(s): {seconds:.1f} s", flush=True)
+            record(
+                results["reference"], workers, seconds, text_bytes, os.path.getsize(ids_path) // 4
+            )
+            print(
+                f"round {round_index + 1}: reference, {workers} thread(s): {seconds:.1f} s",
+                flush=True,
+            )
 
     # Reader.
     data_dir = os.path.join(workdir, "data-1")
@@ -281,9 +323,20 @@ def main():
     for workers in (1, 2):
         processes = [
             subprocess.Popen(
-                [sys.executable, "-c", READER_SCRIPT, data_dir, str(workers), str(index),
-                 str(arguments.reader_seconds), str(READER_BATCH)],
-                cwd=REPOSITORY, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                [
+                    sys.executable,
+                    "-c",
+                    READER_SCRIPT,
+                    data_dir,
+                    str(workers),
+                    str(index),
+                    str(arguments.reader_seconds),
+                    str(READER_BATCH),
+                ],
+                cwd=REPOSITORY,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
             )
             for index in range(workers)
         ]
@@ -321,7 +374,8 @@ def main():
     ]
     print(f"| reader, no-op consumer | {cells[0]} | {cells[1]} |")
     print(
-        f"\ngpt-mini training step (8 x {SEQ_LEN}): {results['training']['seconds_per_step'] * 1e3:.0f} ms, "
+        f"\ngpt-mini training step (8 x {SEQ_LEN}): "
+        f"{results['training']['seconds_per_step'] * 1e3:.0f} ms, "
         f"{consumption:,.0f} tokens/s; reference ids identical on "
         f"{results['reference_identical_documents']:.0%} of documents, "
         f"{results['reference_tokens_ratio']:.3f}x the tokens"

@@ -159,7 +159,10 @@ def _split_record(tokens, lengths, seed):
     """(A, B): a random segment boundary, or the middle of a single segment."""
     number_of_segments = tf.size(lengths)
     k = tf.random.stateless_uniform(
-        [], seed=_salted(seed, _CUT_SALT), minval=1, maxval=tf.maximum(number_of_segments, 2),
+        [],
+        seed=_salted(seed, _CUT_SALT),
+        minval=1,
+        maxval=tf.maximum(number_of_segments, 2),
         dtype=tf.int32,
     )
     boundary = tf.reduce_sum(lengths[:k])
@@ -230,16 +233,24 @@ def make_encoder_dataset(
         )
     tokenizer = manifest["tokenizer"]
     cls_id, sep_id, mask_id, pad_id = (
-        tokenizer["cls_id"], tokenizer["sep_id"], tokenizer["mask_id"], tokenizer["pad_id"]
+        tokenizer["cls_id"],
+        tokenizer["sep_id"],
+        tokenizer["mask_id"],
+        tokenizer["pad_id"],
     )
     vocabulary_size = tokenizer["vocabulary_size"]
     random_token_low = 1 + max(
         tokenizer[key] for key in ("pad_id", "unk_id", "eos_id", "cls_id", "sep_id", "mask_id")
     )
     sharding = dict(
-        shuffle=shuffle, repeat=repeat, num_shards=num_shards, shard_index=shard_index,
-        shuffle_buffer=shuffle_buffer, deterministic=deterministic,
-        verify_checksums=verify_checksums, skip_corrupt=skip_corrupt,
+        shuffle=shuffle,
+        repeat=repeat,
+        num_shards=num_shards,
+        shard_index=shard_index,
+        shuffle_buffer=shuffle_buffer,
+        deterministic=deterministic,
+        verify_checksums=verify_checksums,
+        skip_corrupt=skip_corrupt,
     )
     records = reader.worker_records(
         manifest, data_dir, split, batch_size, seed=seed, equal_steps=equal_steps, **sharding
@@ -248,8 +259,12 @@ def make_encoder_dataset(
     dataset = records.enumerate()
     if task == "nsp":
         partners = reader.worker_records(
-            manifest, data_dir, split, batch_size,
-            seed=seed + _PARTNER_SEED_OFFSET, equal_steps=False,
+            manifest,
+            data_dir,
+            split,
+            batch_size,
+            seed=seed + _PARTNER_SEED_OFFSET,
+            equal_steps=False,
             **dict(sharding, shuffle=True, repeat=True, skip_corrupt=skip_corrupt),
         )
         dataset = tf.data.Dataset.zip((dataset, partners)).map(
@@ -266,9 +281,7 @@ def make_encoder_dataset(
         label_draw = tf.random.stateless_uniform([], seed=_salted(example_seed, _ORDER_SALT))
         label = tf.cast(label_draw < 0.5, tf.int32)
         if task == "sop":
-            first, second = tf.cond(
-                label > 0, lambda: (second, first), lambda: (first, second)
-            )
+            first, second = tf.cond(label > 0, lambda: (second, first), lambda: (first, second))
         else:
             partner_tokens, partner_lengths = _parse_record(partner_serialized)
             _, random_second = _split_record(
@@ -282,9 +295,7 @@ def make_encoder_dataset(
         token_ids = tf.ensure_shape(token_ids, [seq_len])  # (T,)
         positions = tf.range(seq_len)
         padding_mask = positions < length  # (T,)
-        segment_ids = tf.cast(
-            (positions >= tf.size(first) + 2) & padding_mask, tf.int32
-        )  # (T,)
+        segment_ids = tf.cast((positions >= tf.size(first) + 2) & padding_mask, tf.int32)  # (T,)
         candidates = padding_mask & (token_ids != cls_id) & (token_ids != sep_id)
         masked, mask_positions, mask_ids, mask_weights = mask_tokens(
             token_ids,

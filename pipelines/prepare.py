@@ -222,7 +222,12 @@ def _is_int(value) -> bool:
 
 
 def _validate_arguments(
-    seq_len, vocabulary_size, shard_size, val_fraction, seed, tokenizer_sample_bytes,
+    seq_len,
+    vocabulary_size,
+    shard_size,
+    val_fraction,
+    seed,
+    tokenizer_sample_bytes,
     tokenizer_type="bpe",
 ) -> None:
     """Raise ValueError naming the first invalid argument."""
@@ -309,7 +314,10 @@ class _ByteBudgetSampler:
 
     def entries(self) -> list:
         """(key, text, bytes, bin) of the kept documents (for merging)."""
-        return [(-negative_key, text, size, split_bin) for negative_key, text, size, split_bin in self._heap]
+        return [
+            (-negative_key, text, size, split_bin)
+            for negative_key, text, size, split_bin in self._heap
+        ]
 
     def documents(self, exclude_bins_below: int) -> List[str]:
         """The kept documents in key order, minus those in validation bins."""
@@ -339,8 +347,13 @@ class _Progress:
     tests) one line goes to `log` every `PROGRESS_INTERVAL_SECONDS`.
     """
 
-    def __init__(self, phase: str, total_input_bytes: int, log: Callable[[str], None],
-                 interactive: bool = False):
+    def __init__(
+        self,
+        phase: str,
+        total_input_bytes: int,
+        log: Callable[[str], None],
+        interactive: bool = False,
+    ):
         self.phase = phase
         self.total_input_bytes = max(total_input_bytes, 0)
         self.log = log
@@ -416,12 +429,6 @@ class _Counters:
                 return tuple(self._shared[:])
         return tuple(self._local)
 
-    def reset(self) -> None:
-        if self._shared is not None:
-            with self._shared.get_lock():
-                self._shared[:] = [0, 0, 0]
-        self._local = [0, 0, 0]
-
 
 # ----------------------------------------------------------------------------
 # Writing records.
@@ -456,8 +463,16 @@ class _SplitWriter:
         record_format: str. "packed" or "encoder".
     """
 
-    def __init__(self, split, directory, chunk_index, record_length, shard_size,
-                 compression=None, record_format="packed"):
+    def __init__(
+        self,
+        split,
+        directory,
+        chunk_index,
+        record_length,
+        shard_size,
+        compression=None,
+        record_format="packed",
+    ):
         self.split = split
         self.directory = directory
         self.chunk_index = chunk_index
@@ -533,7 +548,10 @@ class _SplitWriter:
 
     def _write_record(self, serialized: bytes) -> None:
         size = len(serialized) + FRAMING_BYTES
-        if self._current is not None and self._current["uncompressed_bytes"] + size > self.shard_size:
+        if (
+            self._current is not None
+            and self._current["uncompressed_bytes"] + size > self.shard_size
+        ):
             self._close_shard()
         if self._current is None:
             self._open_shard()
@@ -544,7 +562,12 @@ class _SplitWriter:
 
     def _open_shard(self) -> None:
         name = f".{self.split}-c{self.chunk_index:05d}-{len(self.shards):05d}.tfrecord.tmp"
-        self._current = {"temporary_name": name, "sequences": 0, "tokens": 0, "uncompressed_bytes": 0}
+        self._current = {
+            "temporary_name": name,
+            "sequences": 0,
+            "tokens": 0,
+            "uncompressed_bytes": 0,
+        }
         self.shards.append(self._current)
         self._writer = TFRecordWriter(os.path.join(self.directory, name), self.compression)
 
@@ -725,13 +748,18 @@ def _encode_chunk(job, chunk_index, segments, counters) -> dict:
     try:
         for _, text in reader:
             data = text.encode("utf-8")
-            split = "val" if _split_bin(_document_digest(data, job["seed"])) < threshold else "train"
+            split = (
+                "val" if _split_bin(_document_digest(data, job["seed"])) < threshold else "train"
+            )
             batch_texts.append(text)
             batch_splits.append(split)
             state["batch_bytes"] += len(data)
             state["documents"] += 1
             state["bytes"] += len(data)
-            if len(batch_texts) >= ENCODE_BATCH_DOCUMENTS or state["batch_bytes"] >= ENCODE_BATCH_BYTES:
+            if (
+                len(batch_texts) >= ENCODE_BATCH_DOCUMENTS
+                or state["batch_bytes"] >= ENCODE_BATCH_BYTES
+            ):
                 flush()
         if batch_texts:
             flush()
@@ -936,8 +964,13 @@ def _ordered_shards(chunk_results: dict, split: str) -> List[dict]:
     return shards
 
 
-def _commit(directory: str, tokenizer_temporary: str, tokenizer_filename: str,
-            chunk_results: dict, manifest: dict) -> None:
+def _commit(
+    directory: str,
+    tokenizer_temporary: str,
+    tokenizer_filename: str,
+    chunk_results: dict,
+    manifest: dict,
+) -> None:
     """Move temporaries to final names, then write the manifest last."""
     # Remove the old manifest first: from here until the new one is written the
     # directory is, correctly, not a dataset.
@@ -1029,7 +1062,10 @@ def _load_reused_tokenizer(tokenizer_path, vocabulary_size, record_format):
             f"Received: vocabulary_size={vocabulary_size}, tokenizer has "
             f"{tokenizer.vocabulary_size}"
         )
-    if record_format == "encoder" and min(tokenizer.cls_id, tokenizer.sep_id, tokenizer.mask_id) < 0:
+    if (
+        record_format == "encoder"
+        and min(tokenizer.cls_id, tokenizer.sep_id, tokenizer.mask_id) < 0
+    ):
         raise ValueError(
             f"{tokenizer_path}: --format encoder needs a tokenizer with [CLS], [SEP] and "
             "[MASK] pieces; train one with --format encoder or use --tokenizer-type wordpiece"
@@ -1105,18 +1141,27 @@ def prepare(
     """
     if tokenizer_type not in TOKENIZER_TYPES:
         raise ValueError(
-            f"`tokenizer_type` must be one of {TOKENIZER_TYPES}. Received: tokenizer_type={tokenizer_type!r}"
+            f"`tokenizer_type` must be one of {TOKENIZER_TYPES}. "
+            f"Received: tokenizer_type={tokenizer_type!r}"
         )
     _validate_arguments(
-        seq_len, vocabulary_size, shard_size, val_fraction, seed, tokenizer_sample_bytes,
+        seq_len,
+        vocabulary_size,
+        shard_size,
+        val_fraction,
+        seed,
+        tokenizer_sample_bytes,
         tokenizer_type,
     )
     if record_format not in FORMATS:
         raise ValueError(
-            f"`record_format` must be one of {tuple(FORMATS)}. Received: record_format={record_format!r}"
+            f"`record_format` must be one of {tuple(FORMATS)}. "
+            f"Received: record_format={record_format!r}"
         )
     if compression not in (None, "GZIP"):
-        raise ValueError(f"`compression` must be None or 'GZIP'. Received: compression={compression!r}")
+        raise ValueError(
+            f"`compression` must be None or 'GZIP'. Received: compression={compression!r}"
+        )
     encoder = record_format == "encoder"
     if tokenizer_type != "wordpiece" and vocabulary_size is not None:
         minimum = minimum_vocabulary_size(encoder)
@@ -1128,13 +1173,18 @@ def prepare(
     if chunk_size is None:
         chunk_size = max(2 * shard_size, MINIMUM_DEFAULT_CHUNK_SIZE)
     if not _is_int(chunk_size) or chunk_size < 1:
-        raise ValueError(f"`chunk_size` must be a positive number of bytes. Received: chunk_size={chunk_size!r}")
+        raise ValueError(
+            f"`chunk_size` must be a positive number of bytes. Received: chunk_size={chunk_size!r}"
+        )
     if workers is None:
         workers = os.cpu_count() or 1
     if not _is_int(workers) or workers < 1:
         raise ValueError(f"`workers` must be a positive int. Received: workers={workers!r}")
     if encoder and seq_len - 3 < 2:
-        raise ValueError(f"`seq_len` must leave room for 2 tokens after [CLS] and two [SEP]. Received: seq_len={seq_len}")
+        raise ValueError(
+            "`seq_len` must leave room for 2 tokens after [CLS] and two [SEP]. "
+            f"Received: seq_len={seq_len}"
+        )
     if vocabulary_size is None and tokenizer_path is None:
         raise ValueError(
             "`vocabulary_size` is required to train a tokenizer (or pass `tokenizer_path`). "
@@ -1179,7 +1229,9 @@ def prepare(
             "inputs": sources_module.fingerprint(sources),
             "seq_len": seq_len,
             "vocabulary_size": vocabulary_size,
-            "tokenizer": None if tokenizer is None else hashlib.sha256(tokenizer.model_proto).hexdigest(),
+            "tokenizer": (
+                None if tokenizer is None else hashlib.sha256(tokenizer.model_proto).hexdigest()
+            ),
             "tokenizer_type": tokenizer_type,
             "shard_size": shard_size,
             "chunk_size": chunk_size,
@@ -1194,9 +1246,11 @@ def prepare(
         if state is not None and state.get("settings") != settings:
             log("found an interrupted run with other inputs or flags: starting over")
             state = None
-        if state is not None and _sha256_of_file(
-            os.path.join(output_directory, state["tokenizer_file"])
-        ) != state["tokenizer_sha256"]:
+        if (
+            state is not None
+            and _sha256_of_file(os.path.join(output_directory, state["tokenizer_file"]))
+            != state["tokenizer_sha256"]
+        ):
             log("the interrupted run's tokenizer is missing or altered: starting over")
             state = None
         if state is None:
@@ -1269,7 +1323,9 @@ def prepare(
         job["tokenizer_path"] = tokenizer_temporary
         job["validation_bin_threshold"] = scan["validation_bin_threshold"]
         if encoder and min(tokenizer.cls_id, tokenizer.sep_id, tokenizer.mask_id) < 0:
-            raise ValueError("--format encoder needs a tokenizer with [CLS], [SEP] and [MASK] pieces")
+            raise ValueError(
+                "--format encoder needs a tokenizer with [CLS], [SEP] and [MASK] pieces"
+            )
 
         # Encode and write, skipping chunks an interrupted run finished.
         chunk_results = _verified_chunks(output_directory, state, log)
@@ -1279,7 +1335,9 @@ def prepare(
             match = _TEMPORARY_NAME_PATTERN.match(name)
             if match and not (match.group(2) and int(match.group(2)[1:-1]) in chunk_results):
                 os.remove(os.path.join(output_directory, name))
-        pending = [(index, segments) for index, segments in enumerate(chunks) if index not in chunk_results]
+        pending = [
+            (index, segments) for index, segments in enumerate(chunks) if index not in chunk_results
+        ]
         if chunk_results:
             log(
                 f"resuming: {len(chunk_results)} of {len(chunks)} chunk(s) already written "
@@ -1445,9 +1503,25 @@ def _verified_chunks(directory: str, state: dict, log) -> dict:
     return verified
 
 
-def _build_manifest(*, chunk_results, tokenizer, tokenizer_path, scan, sources, inputs, tfds,
-                    seq_len, record_length, record_format, compression, seed, val_fraction,
-                    shard_size, chunk_size, number_of_chunks) -> dict:
+def _build_manifest(
+    *,
+    chunk_results,
+    tokenizer,
+    tokenizer_path,
+    scan,
+    sources,
+    inputs,
+    tfds,
+    seq_len,
+    record_length,
+    record_format,
+    compression,
+    seed,
+    val_fraction,
+    shard_size,
+    chunk_size,
+    number_of_chunks,
+) -> dict:
     """The manifest's contents; see the module docstring for the keys."""
     splits = {split: _split_summary(chunk_results, split, record_format) for split in SPLITS}
     version = FORMAT_VERSION if record_format == "packed" and compression is None else 2
@@ -1586,7 +1660,9 @@ def _build_argument_parser() -> argparse.ArgumentParser:
         "--workers", type=int, help="processes encoding chunks in parallel (default: all cores)"
     )
     parser.add_argument(
-        "--num-threads", type=int, help="SentencePiece threads per worker (default: cores / workers)"
+        "--num-threads",
+        type=int,
+        help="SentencePiece threads per worker (default: cores / workers)",
     )
     return parser
 
@@ -1609,7 +1685,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             tokenizer_type=arguments.tokenizer_type,
             shard_size=parse_size(arguments.shard_size, "shard_size"),
             chunk_size=(
-                None if arguments.chunk_size is None else parse_size(arguments.chunk_size, "chunk_size")
+                None
+                if arguments.chunk_size is None
+                else parse_size(arguments.chunk_size, "chunk_size")
             ),
             val_fraction=arguments.val_fraction,
             seed=arguments.seed,

@@ -256,7 +256,11 @@ def _check_shard_files(
             raise DataError(f"{path}: shard listed in {MANIFEST_FILENAME} is missing")
         size = tf.io.gfile.stat(path).length
         if size != shard["bytes"]:
-            where = f"; reading fails at {first_unreadable_record(path, compression)}" if locate_records else ""
+            where = (
+                f"; reading fails at {first_unreadable_record(path, compression)}"
+                if locate_records
+                else ""
+            )
             raise DataError(
                 f"{path}: shard is corrupted or truncated: {size} bytes on disk, "
                 f"{shard['bytes']} in {MANIFEST_FILENAME}{where}"
@@ -266,7 +270,11 @@ def _check_shard_files(
             path = os.path.join(data_dir, shard["filename"])
             digest = _sha256(path)
             if digest != shard["sha256"]:
-                where = f"; reading fails at {first_unreadable_record(path, compression)}" if locate_records else ""
+                where = (
+                    f"; reading fails at {first_unreadable_record(path, compression)}"
+                    if locate_records
+                    else ""
+                )
                 raise DataError(
                     f"{path}: shard is corrupted: sha256 {digest} does not "
                     f"match {shard['sha256']} in {MANIFEST_FILENAME}{where}"

@@ -285,8 +285,9 @@ class SegmentReader:
         tfds_data_dir: str or None. TFDS data directory.
     """
 
-    def __init__(self, source: Source, start: int, end: Optional[int], *, text_key="text",
-                 tfds_data_dir=None):
+    def __init__(
+        self, source: Source, start: int, end: Optional[int], *, text_key="text", tfds_data_dir=None
+    ):
         self.source = source
         self.start = start
         self.end = end
@@ -487,8 +488,7 @@ class ChunkReader:
             bytes consumed since its previous call, at most once per document.
     """
 
-    def __init__(self, sources, segments, *, text_key="text", tfds_data_dir=None,
-                 on_progress=None):
+    def __init__(self, sources, segments, *, text_key="text", tfds_data_dir=None, on_progress=None):
         self.sources = sources
         self.segments = segments
         self.text_key = text_key

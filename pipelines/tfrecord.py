@@ -208,7 +208,8 @@ class TFRecordWriter:
     def __init__(self, path: str, compression: Optional[str] = None):
         if compression not in COMPRESSION_TYPES:
             raise ValueError(
-                f"`compression` must be one of {COMPRESSION_TYPES}. Received: compression={compression!r}"
+                f"`compression` must be one of {COMPRESSION_TYPES}. "
+                f"Received: compression={compression!r}"
             )
         self.path = path
         self.records = 0

@@ -197,7 +197,7 @@ class Tokenizer:
         return self._control_id(MASK_PIECE)
 
     def special_ids(self) -> List[int]:
-        """list of int. Every id that is not text: pad, unk, eos, bos, cls, sep, mask (present ones)."""
+        """list of int. The ids that are not text: pad, unk, eos, bos, cls, sep, mask if present."""
         ids = [self.pad_id, self.unk_id, self.eos_id, self.bos_id]
         ids += [self.cls_id, self.sep_id, self.mask_id]
         return sorted({token_id for token_id in ids if token_id >= 0})
@@ -373,7 +373,9 @@ def train_tokenizer(
             f"byte-fallback pieces + 1). Received: vocabulary_size={vocabulary_size}"
         )
     if model_type not in MODEL_TYPES:
-        raise ValueError(f"`model_type` must be one of {MODEL_TYPES}. Received: model_type={model_type!r}")
+        raise ValueError(
+            f"`model_type` must be one of {MODEL_TYPES}. Received: model_type={model_type!r}"
+        )
     if not 0.0 < character_coverage <= 1.0:
         raise ValueError(
             "`character_coverage` must be in (0, 1]. "

@@ -143,7 +143,9 @@ class WordPieceTokenizer:
             raise ValueError(f"`text` must be a str. Received: text of type {type(text).__name__}")
         return self.encode_batch([text])[0]
 
-    def encode_batch(self, texts: Sequence[str], num_threads: Optional[int] = None) -> List[List[int]]:
+    def encode_batch(
+        self, texts: Sequence[str], num_threads: Optional[int] = None
+    ) -> List[List[int]]:
         """Encode several texts (one TensorFlow call); `num_threads` is ignored."""
         import tensorflow as tf
 
@@ -195,8 +197,10 @@ def train_wordpiece(
     Returns:
         WordPieceTokenizer.
     """
-    if isinstance(vocabulary_size, bool) or not isinstance(vocabulary_size, int) or (
-        vocabulary_size < MINIMUM_VOCABULARY_SIZE
+    if (
+        isinstance(vocabulary_size, bool)
+        or not isinstance(vocabulary_size, int)
+        or (vocabulary_size < MINIMUM_VOCABULARY_SIZE)
     ):
         raise ValueError(
             f"`vocabulary_size` must be an int of at least {MINIMUM_VOCABULARY_SIZE} for "

@@ -84,7 +84,10 @@ def test_prepare_writes_segment_records_with_reserved_special_ids(encoder_data):
     assert [description[key] for key in ("cls_id", "sep_id", "mask_id")] == [3, 4, 5]
     tokenizer = Tokenizer.load(data_dir)
     assert [tokenizer.id_to_piece(index) for index in (3, 4, 5, 6)] == [
-        "[CLS]", "[SEP]", "[MASK]", "<0x00>",
+        "[CLS]",
+        "[SEP]",
+        "[MASK]",
+        "<0x00>",
     ]
     assert 5 not in tokenizer.encode("a literal [MASK] is text")
     sentences = set(encoder_data["sentences"])
@@ -211,7 +214,9 @@ def test_nsp_pairs_random_second_segments(encoder_data):
     whole = set(records)
     contiguous = 0
     for row in range(len(original)):
-        first, second = pair(original[row], features["segment_ids"][row], features["padding_mask"][row].astype(bool))
+        first, second = pair(
+            original[row], features["segment_ids"][row], features["padding_mask"][row].astype(bool)
+        )
         assert any(record[: len(first)] == tuple(first) for record in records)
         if label[row] == 0:
             assert tuple(first + second) in whole
@@ -240,8 +245,15 @@ def test_encoder_iterator_resumes_exactly(encoder_data, tmp_path):
 
     def build():
         return make_encoder_dataset(
-            data_dir, "train", 4, task="nsp", seed=3, deterministic=True, shuffle_buffer=32,
-            num_shards=2, shard_index=1,
+            data_dir,
+            "train",
+            4,
+            task="nsp",
+            seed=3,
+            deterministic=True,
+            shuffle_buffer=32,
+            num_shards=2,
+            shard_index=1,
         )
 
     iterator = iter(build())
@@ -265,13 +277,24 @@ def test_batches_feed_albert_and_bert_pretraining_models(encoder_data):
 
     data_dir, manifest = encoder_data["dir"], encoder_data["manifest"]
     tiny = dict(
-        vocabulary_size=manifest["tokenizer"]["vocabulary_size"], num_layers=2, num_heads=2,
-        hidden_dim=16, intermediate_dim=32, max_sequence_length=SEQ_LEN,
+        vocabulary_size=manifest["tokenizer"]["vocabulary_size"],
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=16,
+        intermediate_dim=32,
+        max_sequence_length=SEQ_LEN,
     )
-    for model, task, head in ((Albert(embedding_dim=8, **tiny), "sop", "sop_logits"), (Bert(**tiny), "nsp", "nsp_logits")):
+    for model, task, head in (
+        (Albert(embedding_dim=8, **tiny), "sop", "sop_logits"),
+        (Bert(**tiny), "nsp", "nsp_logits"),
+    ):
         features, labels = next(iter(make_encoder_dataset(data_dir, "train", 2, task=task)))
         outputs = model(features)
-        assert outputs["mlm_logits"].shape == (2, default_max_predictions(SEQ_LEN), tiny["vocabulary_size"])
+        assert outputs["mlm_logits"].shape == (
+            2,
+            default_max_predictions(SEQ_LEN),
+            tiny["vocabulary_size"],
+        )
         assert outputs[head].shape == (2, 2)
         loss = tf.keras.losses.sparse_categorical_crossentropy(
             labels["mask_ids"], outputs["mlm_logits"], from_logits=True
@@ -281,13 +304,22 @@ def test_batches_feed_albert_and_bert_pretraining_models(encoder_data):
 
 def test_encoder_data_errors(encoder_data, tmp_path):
     data_dir = encoder_data["dir"]
-    with pytest.raises(ValueError, match=r"`task` must be one of \('sop', 'nsp'\). Received: task='mlm'"):
+    with pytest.raises(
+        ValueError, match=r"`task` must be one of \('sop', 'nsp'\). Received: task='mlm'"
+    ):
         make_encoder_dataset(data_dir, "train", 2, task="mlm")
-    with pytest.raises(ValueError, match=r"`max_predictions` must be an int in \[1, seq_len=40\]. Received: max_predictions=41"):
+    with pytest.raises(
+        ValueError,
+        match=r"`max_predictions` must be an int in \[1, seq_len=40\]. "
+        r"Received: max_predictions=41",
+    ):
         make_encoder_dataset(data_dir, "train", 2, max_predictions=41)
     with pytest.raises(ValueError, match=r"`mask_rate` must be in \(0, 1\). Received: mask_rate=0"):
         make_encoder_dataset(data_dir, "train", 2, mask_rate=0)
-    with pytest.raises(DataError, match=r"holds 'tfgpt-encoder-segments' records, make_dataset reads .*make_encoder_dataset"):
+    with pytest.raises(
+        DataError,
+        match=r"holds 'tfgpt-encoder-segments' records, make_dataset reads .*make_encoder_dataset",
+    ):
         reader.make_dataset(data_dir, "train", 2)
     # A GPT tokenizer has no [CLS]/[SEP]/[MASK]: it cannot make encoder data.
     gpt_tokenizer = tmp_path / "gpt.model"
@@ -295,8 +327,14 @@ def test_encoder_data_errors(encoder_data, tmp_path):
 
     train_tokenizer(encoder_data["sentences"], 300, str(gpt_tokenizer), num_threads=1)
     corpus = glob.glob(os.path.join(os.path.dirname(data_dir), "*.txt"))
-    with pytest.raises(ValueError, match=r"--format encoder needs a tokenizer with \[CLS\], \[SEP\] and \[MASK\]"):
+    with pytest.raises(
+        ValueError, match=r"--format encoder needs a tokenizer with \[CLS\], \[SEP\] and \[MASK\]"
+    ):
         prepare.prepare(
-            str(tmp_path / "out"), corpus, seq_len=SEQ_LEN, tokenizer_path=str(gpt_tokenizer),
-            record_format="encoder", log=lambda message: None,
+            str(tmp_path / "out"),
+            corpus,
+            seq_len=SEQ_LEN,
+            tokenizer_path=str(gpt_tokenizer),
+            record_format="encoder",
+            log=lambda message: None,
         )

@@ -75,8 +75,15 @@ def test_workers_together_see_every_sequence_exactly_once_per_epoch(
     seen = []
     for index in range(number_of_workers):
         dataset = reader.make_dataset(
-            data_dir, "train", 1, shuffle=True, seed=7, repeat=False,
-            num_shards=number_of_workers, shard_index=index, deterministic=False,
+            data_dir,
+            "train",
+            1,
+            shuffle=True,
+            seed=7,
+            repeat=False,
+            num_shards=number_of_workers,
+            shard_index=index,
+            deterministic=False,
         )
         seen.extend(rows(dataset))
     # Every record once: none missing, none seen by two workers (or twice by
@@ -96,8 +103,14 @@ def test_every_worker_runs_the_same_number_of_steps(dataset_directory, number_of
     epochs = [Counter() for _ in range(3)]  # All workers' records, per epoch.
     for index in range(number_of_workers):
         one_epoch = reader.make_dataset(
-            data_dir, "train", BATCH_SIZE, seed=2, repeat=False, equal_steps=True,
-            num_shards=number_of_workers, shard_index=index,
+            data_dir,
+            "train",
+            BATCH_SIZE,
+            seed=2,
+            repeat=False,
+            equal_steps=True,
+            num_shards=number_of_workers,
+            shard_index=index,
         )
         assert sum(1 for _ in one_epoch) == steps
         # Repeating: epochs of exactly `steps` batches, aligned across workers.
@@ -204,7 +217,9 @@ def test_a_damaged_record_is_named_by_file_and_record(dataset_directory, tmp_pat
     with pytest.raises(tf.errors.DataLossError):
         for _ in dataset.take(200):
             pass
-    with pytest.raises(DataError, match=rf"{name}: shard is corrupted: sha256 .* reading fails at record 6 "):
+    with pytest.raises(
+        DataError, match=rf"{name}: shard is corrupted: sha256 .* reading fails at record 6 "
+    ):
         reader.verify_shards(copy)
 
 
@@ -232,10 +247,17 @@ def test_skip_corrupt_leaves_out_the_shard_with_a_counted_warning(dataset_direct
     # Two workers by file: worker 0 reads shards 0, 2, 4, 6.
     with pytest.warns(
         reader.CorruptShardWarning,
-        match=rf"skipping 1 corrupted shard\(s\) of 4 \({lost} record\(s\)\) for worker 0: .*{name}",
+        match=rf"skipping 1 corrupted shard\(s\) of 4 \({lost} record\(s\)\) "
+        rf"for worker 0: .*{name}",
     ):
         dataset = reader.make_dataset(
-            copy, "train", BATCH_SIZE, repeat=False, equal_steps=True, num_shards=2, shard_index=0,
+            copy,
+            "train",
+            BATCH_SIZE,
+            repeat=False,
+            equal_steps=True,
+            num_shards=2,
+            shard_index=0,
             skip_corrupt=True,
         )
     batches = list(dataset)  # No DataLossError.
@@ -243,12 +265,16 @@ def test_skip_corrupt_leaves_out_the_shard_with_a_counted_warning(dataset_direct
     assert len(batches) == reader.steps_per_epoch(copy, "train", BATCH_SIZE, 2)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        reader.make_dataset(copy, "train", BATCH_SIZE, num_shards=2, shard_index=1, skip_corrupt=True)
+        reader.make_dataset(
+            copy, "train", BATCH_SIZE, num_shards=2, shard_index=1, skip_corrupt=True
+        )
 
 
 def test_reader_rejects_the_other_record_format(dataset_directory, tmp_path):
     data_dir, _ = dataset_directory["plain"]
-    with pytest.raises(DataError, match=r"holds 'tfgpt-packed-tokens' records, make_encoder_dataset reads"):
+    with pytest.raises(
+        DataError, match=r"holds 'tfgpt-packed-tokens' records, make_encoder_dataset reads"
+    ):
         from pipelines.encoder_data import make_encoder_dataset
 
         make_encoder_dataset(data_dir, "train", BATCH_SIZE)

@@ -52,7 +52,9 @@ def shard_digests(data_dir):
 def tokenizer_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("tokenizer") / "tokenizer.model"
     train_tokenizer(
-        make_documents(200, seed=11) + SPECIAL_TEXT_DOCUMENTS, VOCABULARY_SIZE, str(path),
+        make_documents(200, seed=11) + SPECIAL_TEXT_DOCUMENTS,
+        VOCABULARY_SIZE,
+        str(path),
         num_threads=1,
     )
     return str(path)
@@ -200,12 +202,14 @@ def test_reference_run_has_many_chunks_and_round_trips(many_files, reference_run
     assert len(decoded) == len(set(decoded))
     assert set(decoded) <= set(documents)
     assert len(decoded) >= len(documents) - 2 * 2 * manifest["chunks"]
-    assert manifest["splits"]["train"]["documents"] + manifest["splits"]["val"][
-        "documents"
-    ] == len(documents)
+    assert manifest["splits"]["train"]["documents"] + manifest["splits"]["val"]["documents"] == len(
+        documents
+    )
 
 
-def test_two_workers_write_byte_identical_shards(many_files, tokenizer_path, reference_run, tmp_path):
+def test_two_workers_write_byte_identical_shards(
+    many_files, tokenizer_path, reference_run, tmp_path
+):
     data_dir, manifest = reference_run
     parallel = run(tmp_path / "two", many_files["inputs"], tokenizer_path, workers=2)
     assert parallel["splits"] == manifest["splits"]
@@ -252,8 +256,7 @@ def test_resume_after_interrupt_skips_finished_chunks(
 def test_resume_after_kill_9(many_files, tokenizer_path, reference_run, tmp_path):
     """A real crash: the process is killed with SIGKILL after two chunks are recorded."""
     data_dir, manifest = reference_run
-    script = textwrap.dedent(
-        f"""
+    script = textwrap.dedent(f"""
         import os, signal, sys
         from pipelines import prepare
         finished = []
@@ -263,8 +266,7 @@ def test_resume_after_kill_9(many_files, tokenizer_path, reference_run, tmp_path
                 os.kill(os.getpid(), signal.SIGKILL)
         prepare._on_chunk_encoded = crash
         sys.exit(prepare.main(sys.argv[1:]))
-        """
-    )
+        """)
     argv = [sys.executable, "-c", script, "--output", str(tmp_path / "out")]
     argv += ["--seq-len", str(SEQ_LEN), "--tokenizer", tokenizer_path, "--shard-size", "2048"]
     argv += ["--chunk-size", "6000", "--val-fraction", "0.2", "--seed", "3", "--workers", "2"]
@@ -290,8 +292,7 @@ def test_a_dead_worker_fails_the_run_at_once_and_the_rerun_completes(
 ):
     """A worker killed mid-chunk (as by the out-of-memory killer) must not hang the run."""
     data_dir, _ = reference_run
-    script = textwrap.dedent(
-        """
+    script = textwrap.dedent("""
         import os, signal, sys
         from pipelines import prepare
         real = prepare._encode_chunk
@@ -301,15 +302,18 @@ def test_a_dead_worker_fails_the_run_at_once_and_the_rerun_completes(
             return real(job, chunk_index, segments, counters)
         prepare._encode_chunk = dying  # Forked workers inherit it.
         sys.exit(prepare.main(sys.argv[1:]))
-        """
-    )
+        """)
     argv = [sys.executable, "-c", script, "--output", str(tmp_path / "out")]
     argv += ["--seq-len", str(SEQ_LEN), "--tokenizer", tokenizer_path, "--shard-size", "2048"]
     argv += ["--chunk-size", "6000", "--val-fraction", "0.2", "--seed", "3", "--workers", "2"]
     for path in many_files["inputs"]:
         argv += ["--input", path]
     crashed = subprocess.run(
-        argv, cwd=REPOSITORY, env=dict(os.environ, CRASH="1"), capture_output=True, text=True,
+        argv,
+        cwd=REPOSITORY,
+        env=dict(os.environ, CRASH="1"),
+        capture_output=True,
+        text=True,
         timeout=120,
     )
     assert crashed.returncode == 2
@@ -321,7 +325,9 @@ def test_a_dead_worker_fails_the_run_at_once_and_the_rerun_completes(
 
 
 def test_changed_input_starts_over(many_files, tokenizer_path, tmp_path, monkeypatch):
-    monkeypatch.setattr(prepare, "_on_chunk_encoded", lambda index: (_ for _ in ()).throw(KeyboardInterrupt))
+    monkeypatch.setattr(
+        prepare, "_on_chunk_encoded", lambda index: (_ for _ in ()).throw(KeyboardInterrupt)
+    )
     inputs = list(many_files["inputs"])
     copy = tmp_path / "copy.jsonl"
     copy.write_bytes(open(inputs[0], "rb").read())
@@ -341,7 +347,9 @@ def test_a_locked_output_directory_is_refused(many_files, tokenizer_path, tmp_pa
     (tmp_path / "out").mkdir()
     with open(tmp_path / "out" / prepare.LOCK_FILENAME, "w") as lock_file:
         fcntl.flock(lock_file, fcntl.LOCK_EX)
-        with pytest.raises(DataError, match="another pipelines.prepare is writing to this directory"):
+        with pytest.raises(
+            DataError, match="another pipelines.prepare is writing to this directory"
+        ):
             run(tmp_path / "out", many_files["inputs"], tokenizer_path)
 
 
@@ -375,8 +383,7 @@ def peak_memory_of_prepare(tmp_path, name, megabytes, tokenizer_path):
             output_file.write(line)
             written += len(line)
             index += 1
-    script = textwrap.dedent(
-        """
+    script = textwrap.dedent("""
         import json, resource, sys
         from pipelines import prepare
         status = prepare.main(sys.argv[1:])
@@ -389,13 +396,32 @@ def peak_memory_of_prepare(tmp_path, name, megabytes, tokenizer_path):
             "main": int(peak.split()[1]) / 1024,
             "workers": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
         }))
-        """
-    )
+        """)
     completed = subprocess.run(
-        [sys.executable, "-c", script, "--input", str(path), "--output", str(tmp_path / name),
-         "--seq-len", "255", "--tokenizer", tokenizer_path, "--shard-size", "4M",
-         "--chunk-size", "1M", "--workers", "2", "--tokenizer-sample-bytes", "1M"],
-        cwd=REPOSITORY, capture_output=True, text=True,
+        [
+            sys.executable,
+            "-c",
+            script,
+            "--input",
+            str(path),
+            "--output",
+            str(tmp_path / name),
+            "--seq-len",
+            "255",
+            "--tokenizer",
+            tokenizer_path,
+            "--shard-size",
+            "4M",
+            "--chunk-size",
+            "1M",
+            "--workers",
+            "2",
+            "--tokenizer-sample-bytes",
+            "1M",
+        ],
+        cwd=REPOSITORY,
+        capture_output=True,
+        text=True,
     )
     assert completed.returncode == 0, completed.stderr
     result = json.loads(completed.stdout.strip().splitlines()[-1])
@@ -408,7 +434,10 @@ def test_memory_is_bounded_independently_of_corpus_size(tmp_path, tokenizer_path
     small, small_bytes = peak_memory_of_prepare(tmp_path, "small", 2, tokenizer_path)
     large, large_bytes = peak_memory_of_prepare(tmp_path, "large", 40, tokenizer_path)
     growth = large_bytes - small_bytes
-    print(f"peak RSS MB: {small_bytes / 1e6:.0f} MB corpus {small}, {large_bytes / 1e6:.0f} MB corpus {large}")
+    print(
+        f"peak RSS MB: {small_bytes / 1e6:.0f} MB corpus {small}, "
+        f"{large_bytes / 1e6:.0f} MB corpus {large}"
+    )
     # 38 MB more text: a process holding the corpus (or its tokens) would
     # grow by at least that. The stated bound is per worker, not per byte.
     for role in ("main", "workers"):
@@ -421,7 +450,9 @@ def test_memory_is_bounded_independently_of_corpus_size(tmp_path, tokenizer_path
 # Compression, inputs, tokenizers.
 
 
-def test_gzip_shards_read_back_to_the_same_records(many_files, tokenizer_path, reference_run, tmp_path):
+def test_gzip_shards_read_back_to_the_same_records(
+    many_files, tokenizer_path, reference_run, tmp_path
+):
     data_dir, manifest = reference_run
     compressed = run(tmp_path / "gzip", many_files["inputs"], tokenizer_path, compression="GZIP")
     assert compressed["compression"] == "GZIP" and compressed["format_version"] == 2
@@ -454,8 +485,13 @@ def test_tfds_split_from_a_prepared_data_dir(tmp_path):
 
     with tfds.testing.mock_data(num_examples=len(documents), as_dataset_fn=as_dataset):
         manifest = run(
-            tmp_path / "out", [], tfds=["imdb_reviews:train"], tfds_data_dir=str(tmp_path / "tfds"),
-            inputs=None, val_fraction=0.0, chunk_size=1 << 20,
+            tmp_path / "out",
+            [],
+            tfds=["imdb_reviews:train"],
+            tfds_data_dir=str(tmp_path / "tfds"),
+            inputs=None,
+            val_fraction=0.0,
+            chunk_size=1 << 20,
         )
     assert manifest["inputs"] == ["tfds:imdb_reviews:train"]
     assert manifest["totals"]["documents"] == len(documents)
@@ -467,8 +503,11 @@ def test_tfds_split_from_a_prepared_data_dir(tmp_path):
 
 def test_unigram_tokenizer_and_reusing_a_data_directory(many_files, tmp_path):
     first = run(
-        tmp_path / "first", many_files["inputs"], tokenizer_type="unigram",
-        vocabulary_size=300, chunk_size=1 << 20,
+        tmp_path / "first",
+        many_files["inputs"],
+        tokenizer_type="unigram",
+        vocabulary_size=300,
+        chunk_size=1 << 20,
     )
     assert first["tokenizer"]["model_type"] == "unigram"
     assert first["tokenizer"]["sample_documents"] > 0
@@ -476,7 +515,9 @@ def test_unigram_tokenizer_and_reusing_a_data_directory(many_files, tmp_path):
     text = "tensor shard: naïve 日本 ✓"
     assert tokenizer.decode(tokenizer.encode(text)) == text
     # A data directory is a tokenizer directory: the second run reuses it.
-    second = run(tmp_path / "second", many_files["inputs"], str(tmp_path / "first"), chunk_size=1 << 20)
+    second = run(
+        tmp_path / "second", many_files["inputs"], str(tmp_path / "first"), chunk_size=1 << 20
+    )
     assert second["tokenizer"]["trained"] is False
     assert second["tokenizer"]["sha256"] == first["tokenizer"]["sha256"]
     assert second["splits"] == first["splits"]
@@ -485,8 +526,11 @@ def test_unigram_tokenizer_and_reusing_a_data_directory(many_files, tmp_path):
 @pytest.mark.slow
 def test_wordpiece_tokenizer(many_files, tmp_path):
     manifest = run(
-        tmp_path / "out", many_files["inputs"], tokenizer_type="wordpiece",
-        vocabulary_size=200, chunk_size=1 << 20,
+        tmp_path / "out",
+        many_files["inputs"],
+        tokenizer_type="wordpiece",
+        vocabulary_size=200,
+        chunk_size=1 << 20,
     )
     description = manifest["tokenizer"]
     assert description["type"] == "wordpiece" and description["model_file"] == "vocab.txt"
@@ -501,11 +545,21 @@ def test_wordpiece_tokenizer(many_files, tmp_path):
 
 
 def test_bad_new_arguments(many_files, tmp_path):
-    with pytest.raises(ValueError, match=r"`tokenizer_type` must be one of .*Received: tokenizer_type='bpe2'"):
+    with pytest.raises(
+        ValueError, match=r"`tokenizer_type` must be one of .*Received: tokenizer_type='bpe2'"
+    ):
         run(tmp_path / "a", many_files["inputs"], tokenizer_type="bpe2")
     with pytest.raises(ValueError, match=r"`workers` must be a positive int. Received: workers=0"):
         run(tmp_path / "b", many_files["inputs"], workers=0)
-    with pytest.raises(ValueError, match=r"`vocabulary_size` must be an int of at least 263 for --format encoder"):
+    with pytest.raises(
+        ValueError, match=r"`vocabulary_size` must be an int of at least 263 for --format encoder"
+    ):
         run(tmp_path / "c", many_files["inputs"], record_format="encoder", vocabulary_size=261)
     with pytest.raises(DataError, match=r"cannot load the TFDS split"):
-        run(tmp_path / "d", [], inputs=None, tfds=["no_such_dataset_xyz"], tfds_data_dir=str(tmp_path))
+        run(
+            tmp_path / "d",
+            [],
+            inputs=None,
+            tfds=["no_such_dataset_xyz"],
+            tfds_data_dir=str(tmp_path),
+        )
