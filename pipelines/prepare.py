@@ -840,6 +840,12 @@ class _ChunkRunner:
                     ) from None
                 yield result
 
+    def __enter__(self) -> "_ChunkRunner":
+        return self
+
+    def __exit__(self, exception_type, exception, traceback) -> None:
+        self.close(terminate=exception_type is not None)
+
     def close(self, terminate: bool = False) -> None:
         if self.pool is not None:
             if terminate:
@@ -1213,7 +1219,6 @@ def prepare(
         raise DataError(f"{output_directory}: output path exists and is not a directory")
     os.makedirs(output_directory, exist_ok=True)
     lock = _DirectoryLock(output_directory)
-    runner = None
     try:
         existing = _existing_dataset_files(output_directory)
         if existing and not overwrite:
@@ -1225,6 +1230,7 @@ def prepare(
         chunks = plan_chunks(sources, chunk_size)
         record_length = seq_len - 3 if encoder else seq_len + 1
         splits = ["train"] + (["val"] if val_fraction > 0 else [])
+        # Everything that decides the output: a rerun resumes only if it matches.
         settings = {
             "inputs": sources_module.fingerprint(sources),
             "seq_len": seq_len,
@@ -1242,20 +1248,6 @@ def prepare(
             "compression": compression,
             "text_key": text_key,
         }
-        state = _read_state(output_directory)
-        if state is not None and state.get("settings") != settings:
-            log("found an interrupted run with other inputs or flags: starting over")
-            state = None
-        if (
-            state is not None
-            and _sha256_of_file(os.path.join(output_directory, state["tokenizer_file"]))
-            != state["tokenizer_sha256"]
-        ):
-            log("the interrupted run's tokenizer is missing or altered: starting over")
-            state = None
-        if state is None:
-            _remove_temporary_files(output_directory)
-        total_input_bytes = sum(source.size for source in sources)
         job = {
             "sources": [(source.path, source.kind, source.size) for source in sources],
             "output_directory": output_directory,
@@ -1272,14 +1264,13 @@ def prepare(
             "num_threads": num_threads,
         }
         timings = {}
-        runner_workers = min(workers, len(chunks))
+        total_input_bytes = sum(source.size for source in sources)
 
-        # Scan and tokenizer (or both from the interrupted run's state).
+        # Scan and tokenizer, or both from an interrupted run's state.
+        state = _resumable_state(output_directory, settings, log)
         if state is None:
-            runner = _ChunkRunner(job, runner_workers)
-            scan = _scan(runner, chunks, sources, val_fraction, total_input_bytes, log)
-            runner.close()
-            runner = None
+            with _ChunkRunner(job, min(workers, len(chunks))) as runner:
+                scan = _scan(runner, chunks, sources, val_fraction, total_input_bytes, log)
             timings["scan_seconds"] = scan.pop("seconds")
             start = time.perf_counter()
             sample = scan.pop("sample")
@@ -1289,19 +1280,9 @@ def prepare(
                     f"tokenizer: training {tokenizer_type}, vocabulary_size={vocabulary_size}, "
                     f"on {len(sample):,} documents ({sample_bytes / 1e6:,.1f} MB)"
                 )
-                if tokenizer_type == "wordpiece":
-                    from pipelines.wordpiece_tokenizer import train_wordpiece
-
-                    tokenizer = train_wordpiece(sample, vocabulary_size)
-                else:
-                    tokenizer = train_tokenizer(
-                        sample,
-                        vocabulary_size,
-                        None,
-                        num_threads=max(workers, num_threads),
-                        model_type=tokenizer_type,
-                        encoder_special_tokens=encoder,
-                    )
+                tokenizer = _train_tokenizer(
+                    sample, tokenizer_type, vocabulary_size, max(workers, num_threads), encoder
+                )
             tokenizer_temporary = os.path.join(output_directory, f".{tokenizer.filename}.tmp")
             _write_atomically(tokenizer_temporary, tokenizer.model_proto)
             timings["tokenizer_seconds"] = time.perf_counter() - start
@@ -1327,65 +1308,13 @@ def prepare(
                 "--format encoder needs a tokenizer with [CLS], [SEP] and [MASK] pieces"
             )
 
-        # Encode and write, skipping chunks an interrupted run finished.
-        chunk_results = _verified_chunks(output_directory, state, log)
-        state["chunks"] = {str(index): result for index, result in chunk_results.items()}
-        _write_state(output_directory, state)
-        for name in os.listdir(output_directory):
-            match = _TEMPORARY_NAME_PATTERN.match(name)
-            if match and not (match.group(2) and int(match.group(2)[1:-1]) in chunk_results):
-                os.remove(os.path.join(output_directory, name))
-        pending = [
-            (index, segments) for index, segments in enumerate(chunks) if index not in chunk_results
-        ]
-        if chunk_results:
-            log(
-                f"resuming: {len(chunk_results)} of {len(chunks)} chunk(s) already written "
-                "(checksums verified); encoding the rest"
-            )
+        # Encode and write.
         progress = _Progress("encode+write", total_input_bytes, log, interactive_progress)
-        done_input = sum(
-            sources_module.chunk_input_bytes(sources, chunks[index]) for index in chunk_results
-        )
-        runner = _ChunkRunner(job, min(workers, max(len(pending), 1)))
-        runner.counters.add(0, 0, done_input)
-        for result in runner.run("encode", pending, progress):
-            index = result["chunk"]
-            chunk_results[index] = result
-            state["chunks"][str(index)] = result
-            _write_state(output_directory, state)
-            _on_chunk_encoded(index)
-        runner.close()
-        runner = None
-        encoded_documents = sum(result["documents"] for result in chunk_results.values())
-        encoded_bytes = sum(result["bytes"] for result in chunk_results.values())
-        tokens = sum(
-            summary["tokens"]
-            for result in chunk_results.values()
-            for summary in result["splits"].values()
-        )
-        progress.done(encoded_documents, encoded_bytes, f", {tokens:,} tokens")
+        chunk_results = _encode(job, chunks, sources, state, workers, progress, log)
         timings["encode_and_write_seconds"] = progress.elapsed()
-        for index, result in chunk_results.items():
-            expected = scan["chunks"][str(index)]
-            if (result["documents"], result["bytes"]) != tuple(expected):
-                raise DataError(
-                    f"the input changed while being prepared: chunk {index} "
-                    f"({sources_module.describe_chunk(sources, chunks[index])}) had "
-                    f"{expected[0]} documents / {expected[1]} bytes in the scan and "
-                    f"{result['documents']} / {result['bytes']} when encoded"
-                )
-        for split in splits:
-            summary = _split_summary(chunk_results, split, record_format)
-            if summary["sequences"] == 0:
-                raise DataError(
-                    f"corpus too small for --seq-len {seq_len} and --val-fraction "
-                    f"{val_fraction}: the {split} split got {summary['tokens']:,} tokens from "
-                    f"{summary['documents']:,} document(s), but one record needs "
-                    f"{record_length if not encoder else 2}; add text, lower --seq-len"
-                    + (" or raise --val-fraction" if split == "val" else "")
-                )
-
+        _check_results(
+            chunk_results, scan, chunks, sources, splits, record_format, seq_len, val_fraction
+        )
         manifest = _build_manifest(
             chunk_results=chunk_results,
             tokenizer=tokenizer,
@@ -1408,16 +1337,13 @@ def prepare(
         _commit(output_directory, tokenizer_temporary, tokenizer.filename, chunk_results, manifest)
         timings["commit_seconds"] = time.perf_counter() - start
     except (KeyboardInterrupt, SystemExit, WorkerDied):
-        if runner is not None:
-            runner.close(terminate=True)
+        # An interruption: keep finished chunks and the state for the rerun.
         log(
             "interrupted: rerun the same command to resume; finished chunks are kept in "
             f"{output_directory}"
         )
         raise
     except BaseException:
-        if runner is not None:
-            runner.close(terminate=True)
         _remove_temporary_files(output_directory)
         raise
     finally:
@@ -1438,6 +1364,108 @@ def prepare(
         + f"; wrote {os.path.join(output_directory, MANIFEST_FILENAME)}"
     )
     return manifest
+
+
+def _train_tokenizer(sample, tokenizer_type, vocabulary_size, num_threads, encoder):
+    if tokenizer_type == "wordpiece":
+        from pipelines.wordpiece_tokenizer import train_wordpiece
+
+        return train_wordpiece(sample, vocabulary_size)
+    return train_tokenizer(
+        sample,
+        vocabulary_size,
+        None,
+        num_threads=num_threads,
+        model_type=tokenizer_type,
+        encoder_special_tokens=encoder,
+    )
+
+
+def _resumable_state(directory: str, settings: dict, log) -> Optional[dict]:
+    """An interrupted run's state if it can be resumed; otherwise clear its files, None."""
+    state = _read_state(directory)
+    if state is not None and state.get("settings") != settings:
+        log("found an interrupted run with other inputs or flags: starting over")
+        state = None
+    if state is not None and (
+        _sha256_of_file(os.path.join(directory, state["tokenizer_file"]))
+        != state["tokenizer_sha256"]
+    ):
+        log("the interrupted run's tokenizer is missing or altered: starting over")
+        state = None
+    if state is None:
+        _remove_temporary_files(directory)
+    return state
+
+
+def _encode(job, chunks, sources, state, workers, progress, log) -> dict:
+    """Pass 2: encode every chunk an interrupted run has not finished; all chunks' results."""
+    directory = job["output_directory"]
+    chunk_results = _verified_chunks(directory, state, log)
+    state["chunks"] = {str(index): result for index, result in chunk_results.items()}
+    _write_state(directory, state)
+    for name in os.listdir(directory):
+        match = _TEMPORARY_NAME_PATTERN.match(name)
+        if match and not (match.group(2) and int(match.group(2)[1:-1]) in chunk_results):
+            os.remove(os.path.join(directory, name))  # A chunk that did not finish.
+    pending = [
+        (index, segments) for index, segments in enumerate(chunks) if index not in chunk_results
+    ]
+    if chunk_results:
+        log(
+            f"resuming: {len(chunk_results)} of {len(chunks)} chunk(s) already written "
+            "(checksums verified); encoding the rest"
+        )
+    with _ChunkRunner(job, min(workers, max(len(pending), 1))) as runner:
+        runner.counters.add(
+            0,
+            0,
+            sum(
+                sources_module.chunk_input_bytes(sources, chunks[index]) for index in chunk_results
+            ),
+        )
+        for result in runner.run("encode", pending, progress):
+            index = result["chunk"]
+            chunk_results[index] = result
+            state["chunks"][str(index)] = result
+            _write_state(directory, state)  # This chunk is now safe from a crash.
+            _on_chunk_encoded(index)
+    tokens = sum(
+        summary["tokens"]
+        for result in chunk_results.values()
+        for summary in result["splits"].values()
+    )
+    progress.done(
+        sum(result["documents"] for result in chunk_results.values()),
+        sum(result["bytes"] for result in chunk_results.values()),
+        f", {tokens:,} tokens",
+    )
+    return chunk_results
+
+
+def _check_results(
+    chunk_results, scan, chunks, sources, splits, record_format, seq_len, val_fraction
+):
+    """Raise DataError if the input changed since the scan, or a split got no record."""
+    for index, result in chunk_results.items():
+        expected = scan["chunks"][str(index)]
+        if (result["documents"], result["bytes"]) != tuple(expected):
+            raise DataError(
+                f"the input changed while being prepared: chunk {index} "
+                f"({sources_module.describe_chunk(sources, chunks[index])}) had "
+                f"{expected[0]} documents / {expected[1]} bytes in the scan and "
+                f"{result['documents']} / {result['bytes']} when encoded"
+            )
+    for split in splits:
+        summary = _split_summary(chunk_results, split, record_format)
+        if summary["sequences"] == 0:
+            raise DataError(
+                f"corpus too small for --seq-len {seq_len} and --val-fraction "
+                f"{val_fraction}: the {split} split got {summary['tokens']:,} tokens from "
+                f"{summary['documents']:,} document(s), but one record needs "
+                f"{seq_len + 1 if record_format == 'packed' else 2}; add text, lower --seq-len"
+                + (" or raise --val-fraction" if split == "val" else "")
+            )
 
 
 def _scan(runner, chunks, sources, val_fraction, total_input_bytes, log) -> dict:
