@@ -9,7 +9,9 @@ import pytest
 from tfgpt.config import TrainConfig
 from tfgpt.distributed import LocalDistribution
 from tfgpt.training.flags import parse_flags
-from tests.test_training import TINY, small_data  # noqa: F401 (fixture)
+
+TINY = ["--num-layers", "2", "--num-heads", "2", "--hidden-dim", "16",
+        "--intermediate-dim", "24", "--max-sequence-length", "16"]
 
 
 def _train(argv):
@@ -25,10 +27,10 @@ def test_bad_profile_steps_are_refused(value):
         TrainConfig(data="d", profile_steps=value)
 
 
-def test_profile_steps_write_a_trace_of_those_steps(small_data, tmp_path):  # noqa: F811
+def test_profile_steps_write_a_trace_of_those_steps(tiny_data, tmp_path):
     from bench import profile_summary
 
-    _train(["--data", str(small_data), "--out", str(tmp_path), "--steps", "5", "--log-every", "5",
+    _train(["--data", str(tiny_data), "--out", str(tmp_path), "--steps", "5", "--log-every", "5",
             "--batch-size", "4", "--eval-batches", "1", "--peak-flops", "1e10",
             "--profile-steps", "2,3", "--recompute", *TINY])
     traces = glob.glob(str(tmp_path / "profile" / "**" / "*.xplane.pb"), recursive=True)

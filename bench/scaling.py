@@ -1,0 +1,164 @@
+"""Scaling efficiency T(N) / (N * T(1)) of the real trainers, 1 vs 2 workers.
+
+Horovod: `horovodrun -np 2 train_hvd.py --intra-op-threads 1` against
+`python train_hvd.py --intra-op-threads 1` (one worker, one thread), the
+same per-worker batch. tf.distribute: two MultiWorkerMirrored processes on
+localhost (TF_CONFIG), one thread each, against `train_mirrored.py
+--strategy default` with one thread. Every run is a real trainer process
+with a fixed `--peak-flops` (no time spent measuring a peak); T is the
+median of the global tokens/s the trainer logs in metrics.jsonl, without
+its first timed window. The configurations alternate within each round.
+
+Usage:
+    python -m bench.scaling --steps 30 --rounds 1
+"""
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+
+
+def ensure_data(directory, sequence_length=256, vocabulary_size=2000):
+    """Prepares the built-in corpus at gpt-mini's shape once."""
+    if os.path.exists(os.path.join(directory, "manifest.json")):
+        return directory
+    shutil.rmtree(directory, ignore_errors=True)
+    subprocess.run(
+        [sys.executable, "-m", "pipelines.prepare", "--output", directory,
+         "--seq-len", str(sequence_length), "--vocab-size", str(vocabulary_size)],
+        cwd=REPO, env=_environment(), check=True, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    return directory
+
+
+def _environment(**extra):
+    return dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=REPO, **extra)
+
+
+def _free_ports(count):
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("localhost", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def trainer_flags(data, out, preset, steps, batch_size, log_every, extra=()):
+    return ["--data", data, "--out", out, "--preset", preset, "--steps", str(steps),
+            "--batch-size", str(batch_size), "--log-every", str(log_every),
+            "--intra-op-threads", "1", "--peak-flops", "1e11", "--eval-batches", "1",
+            "--warmup-steps", "0", *extra]
+
+
+def _run(commands, timeout):
+    """Runs the commands at once (the workers of one job); raises on failure."""
+    processes = [
+        subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        for command, env in commands
+    ]
+    outputs = [process.communicate(timeout=timeout)[0] for process in processes]
+    for process, output in zip(processes, outputs):
+        if process.returncode != 0:
+            raise RuntimeError(f"trainer failed ({process.returncode}):\n{output[-3000:]}")
+
+
+def tokens_per_second(out):
+    """Median global tokens/s logged by the trainer, first timed window dropped."""
+    rates = []
+    with open(os.path.join(out, "metrics.jsonl")) as file:
+        for line in file:
+            record = json.loads(line)
+            if record.get("split") == "train" and "tokens_per_second" in record:
+                rates.append(record["tokens_per_second"])
+    rates = sorted(rates[1:] or rates)
+    return rates[len(rates) // 2], len(rates)
+
+
+def run_job(kind, workers, data, work, preset, steps, batch_size, log_every, extra, timeout=1200):
+    """Runs one trainer job; returns its global tokens/s."""
+    out = os.path.join(work, f"{kind}-{workers}")
+    shutil.rmtree(out, ignore_errors=True)
+    flags = trainer_flags(data, out, preset, steps, batch_size, log_every, extra)
+    if kind == "horovod":
+        script = [sys.executable, os.path.join(REPO, "train_hvd.py"), *flags]
+        if workers > 1:
+            script = [HOROVODRUN, "-np", str(workers), "--gloo", "-H", f"localhost:{workers}", *script]
+        _run([(script, _environment())], timeout)
+    else:
+        script = [sys.executable, os.path.join(REPO, "train_mirrored.py")]
+        if workers == 1:
+            _run([([*script, "--strategy", "default", *flags], _environment())], timeout)
+        else:
+            cluster = {"worker": [f"localhost:{port}" for port in _free_ports(workers)]}
+            _run([
+                ([*script, "--strategy", "multi-worker", *flags], _environment(TF_CONFIG=json.dumps(
+                    {"cluster": cluster, "task": {"type": "worker", "index": index}})))
+                for index in range(workers)
+            ], timeout)
+    rate, windows = tokens_per_second(out)
+    return rate, windows
+
+
+def measure(data, work, preset="gpt-mini", steps=30, batch_size=8, log_every=5, rounds=1,
+            kinds=("horovod", "multi-worker"), extra=(), log=print):
+    """Interleaved 1- and 2-worker runs per kind; returns the figures."""
+    rates = {(kind, workers): [] for kind in kinds for workers in (1, 2)}
+    for index in range(rounds):
+        for kind in kinds:
+            for workers in (1, 2) if index % 2 == 0 else (2, 1):
+                start = time.perf_counter()
+                rate, windows = run_job(kind, workers, data, work, preset, steps, batch_size,
+                                        log_every, extra)
+                rates[kind, workers].append(rate)
+                log(f"  {kind} x{workers}: {rate:.0f} tokens/s ({windows} windows, "
+                    f"{time.perf_counter() - start:.0f} s)")
+    results = {}
+    for kind in kinds:
+        one, two = rates[kind, 1], rates[kind, 2]
+        efficiencies = [t2 / (2 * t1) for t1, t2 in zip(one, two)]
+        results[kind] = {
+            "tokens_per_second_1": one,
+            "tokens_per_second_2": two,
+            "efficiency": sorted(efficiencies)[len(efficiencies) // 2],
+            "efficiency_per_round": efficiencies,
+        }
+    return {"preset": preset, "batch_size_per_worker": batch_size, "steps": steps,
+            "log_every": log_every, "threads_per_worker": 1, "extra_flags": list(extra),
+            "results": results}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", default="gpt-mini")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--log-every", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--kinds", nargs="+", default=["horovod", "multi-worker"])
+    parser.add_argument("--work", default=os.path.join(REPO, "bench", "results", "work"))
+    parser.add_argument("--out", default=os.path.join(REPO, "bench", "results"))
+    args, extra = parser.parse_known_args(argv)
+    data = ensure_data(os.path.join(args.work, "data-256"))
+    figures = measure(data, args.work, args.preset, args.steps, args.batch_size, args.log_every,
+                      args.rounds, args.kinds, extra)
+    for kind, result in figures["results"].items():
+        print(f"{kind}: scaling efficiency {result['efficiency']:.2f}")
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "scaling.json"), "w") as file:
+        json.dump(figures, file, indent=2)
+
+
+if __name__ == "__main__":
+    main()
