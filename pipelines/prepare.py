@@ -69,13 +69,17 @@ the same split, and no document is in both.
 Parallelism and memory: `--workers` processes (default: every core) each
 read, encode and write whole chunks; TensorFlow is not imported for
 SentencePiece tokenizers (records are framed by `pipelines.tfrecord`).
-Memory is bounded independently of the corpus size: the scan holds at most
+Memory is bounded independently of the corpus size. Encoding holds per
+worker one batch of at most 512 KiB of text (`ENCODE_BATCH_BYTES`) and its
+token ids, and streams shards to disk; the main process keeps only
+per-chunk counts. With a given SentencePiece tokenizer that is under
+`MEMORY_BOUND_MB` (60 MB) of peak resident memory per process, Python and
+NumPy included (tests/test_pipelines_scale.py checks it on a 64 MB
+corpus). Training a tokenizer adds the sample: the scan holds at most
 `(workers + 2) x --tokenizer-sample-bytes` of sampled text plus a 512 KiB
-histogram per worker; SentencePiece training needs roughly 10-20x the
-sample; encoding holds per worker one batch of at most 2 MiB of text
-(`ENCODE_BATCH_BYTES`) and its token ids, and shards are streamed to disk.
-The largest single document must also fit. The main process keeps only
-per-chunk counts. (WordPiece adds TensorFlow, about 0.6 GB, per worker.)
+histogram per worker, and SentencePiece training needs roughly 10-20x the
+sample. The largest single document must also fit. (WordPiece adds
+TensorFlow, about 0.6 GB, per worker.)
 
 Resuming: `.prepare-state.json` in the output directory records the scan's
 results, the tokenizer and every finished chunk's shards with their SHA-256.
@@ -174,7 +178,10 @@ SPLIT_HASH_BINS = 1 << 16
 # Documents are encoded in batches of this many documents or bytes, whichever
 # comes first, so SentencePiece has work and memory stays bounded.
 ENCODE_BATCH_DOCUMENTS = 1024
-ENCODE_BATCH_BYTES = 2 << 20
+ENCODE_BATCH_BYTES = 512 << 10
+# Peak resident memory of any prepare process with a given SentencePiece
+# tokenizer, whatever the corpus size (see the module docstring).
+MEMORY_BOUND_MB = 60
 PROGRESS_INTERVAL_SECONDS = 10.0
 INTERACTIVE_PROGRESS_INTERVAL_SECONDS = 0.5
 
