@@ -16,10 +16,10 @@ cover the split. Workers may then hold different numbers of records;
 
 Equal steps: a worker that runs out of batches first would leave the others
 waiting forever in the next allreduce. With `equal_steps=True` (the default
-when `repeat=True`) every worker's epoch is cut to the same
-`steps_per_epoch * batch_size` records, taken after the record shuffle, so a
-different surplus is left out each epoch and epochs stay aligned across
-workers. With `repeat=False` the default is one full pass over this worker's
+when `repeat=True` and every worker can make a batch) every worker's epoch
+is cut to the same `steps_per_epoch * batch_size` records, taken after the
+record shuffle, so a different surplus is left out each epoch and epochs
+stay aligned across workers. With `repeat=False` the default is one full pass over this worker's
 records (evaluation loops that sum and allreduce once at the end); pass
 `equal_steps=True` when each step has a collective.
 
