@@ -11,8 +11,8 @@ All in one run, on one corpus:
    with a numbered header per copy until `--corpus-mb` MB of text.
 2. Tokenizer: a SentencePiece BPE model of `--vocab-size` pieces trained on
    the corpus (not timed in the comparison).
-3. Preparation: `python -m pipelines.prepare --tokenizer ... --workers W`
-   for W = 1 and 2, each a fresh process, timed from start to exit
+3. Preparation: `python -m pipelines.prepare --tokenizer ... --workers W
+   --num-threads 1` for W = 1 and 2 (W processes, one encoding thread each), each a fresh process, timed from start to exit
    (interpreter start, scan pass, encoding, TFRecord writing with
    checksums and fsync, commit). Reported as MB/s of raw text, and per core
    (divided by W). Best of `--repeats` rounds, interleaved with step 4.
@@ -280,6 +280,8 @@ def main():
                     model_path,
                     "--workers",
                     str(workers),
+                    "--num-threads",  # One SentencePiece thread per worker: W cores.
+                    "1",
                     "--shard-size",
                     "64M",
                     "--chunk-size",
