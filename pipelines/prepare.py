@@ -33,7 +33,9 @@ Steps:
    a `vocab.txt` or a directory holding one, e.g. an earlier data directory).
 4. Encode and write (parallel over chunks, `--workers` processes): each
    chunk's documents are encoded in batches and written to that chunk's own
-   shards, rolled at `--shard-size` bytes (uncompressed).
+   shards, rolled at `--shard-size` bytes (uncompressed). A split therefore
+   has at least one shard per chunk: validation shards hold about
+   `--val-fraction` of a chunk each.
 5. Commit: the shards are renamed to `{split}-{index:05d}-of-{count:05d}.tfrecord`
    in chunk order, and `manifest.json` is written last.
 
