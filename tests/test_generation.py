@@ -222,3 +222,22 @@ def test_cli_without_tokenizer_raises(tmp_path):
     assert json.loads((tmp_path / "config.json").read_text())["model"]["vocabulary_size"] == VOCAB
     with pytest.raises(ValueError, match="No tokenizer"):
         main(["--checkpoint", str(tmp_path), "--prompt", "hi"])
+
+
+def test_every_cache_form_gives_the_same_logits(model):
+    ids = np.array([[3, 1, 4, 1, 5, 9, 2]])
+    full = model(ids).numpy()
+    stacked = model.empty_cache(1, cache_length=9)  # (B, L, 2, H, S, D)
+    forms = {
+        "stacked": stacked,
+        "per-layer": [stacked[:, index] for index in range(LAYERS)],
+        "per-layer pairs": [(stacked[:, i, 0], stacked[:, i, 1]) for i in range(LAYERS)],
+    }
+    for name, cache in forms.items():
+        logits, cache = model(ids[:, :4], cache=cache, cache_index=0)
+        steps = [logits.numpy()]
+        for index in range(4, 7):
+            logits, cache = model(ids[:, index : index + 1], cache=cache, cache_index=index)
+            steps.append(logits.numpy())
+        assert np.abs(np.concatenate(steps, axis=1) - full).max() < ATOL, name
+        assert type(cache) is type(forms[name])

@@ -16,6 +16,8 @@ import argparse
 import sys
 import time
 
+from tfgpt.checkpoint import load_model
+
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
@@ -38,9 +40,6 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    # Imported after parsing so that --help answers without loading TensorFlow.
-    from tfgpt.checkpoint import load_model
-
     model, tokenizer = load_model(args.checkpoint)
     if tokenizer is None:
         raise ValueError(

@@ -14,11 +14,14 @@ How it runs:
   one position (`cache_index`), not the whole prefix.
 - The whole loop (prefill, sampling, stop tokens) is one `tf.function` with
   a fully dynamic input signature, traced once per model and per
-  (`use_cache`, `jit_compile`): a new batch size, prompt length,
-  `max_new_tokens`, temperature, top-k, top-p, seed or stop list does not
-  trace again. With `jit_compile=True` XLA compiles the loop once per
-  distinct (batch, padded prompt length, max_new_tokens); prompt lengths
-  are padded up to a multiple of 16 so that nearby lengths share a compile.
+  (`use_cache`, `jit_compile`, `return_logits`): a new batch size, prompt
+  length, `max_new_tokens`, temperature, top-k, top-p, seed or stop list
+  does not trace again. With `jit_compile=True` XLA compiles the loop once
+  per distinct (batch size, padded prompt length, `max_new_tokens`,
+  `top_k`), the values XLA needs as constants; prompt lengths are padded up
+  to a multiple of 16 so that nearby lengths share a compilation. On CPU the
+  XLA loop is several times faster per token (see bench/generation.py) and
+  its first call costs about as much as tracing the graph-mode loop.
 """
 
 import random
@@ -182,7 +185,11 @@ def decode(
     new_columns = tf.range(max_new_tokens)[tf.newaxis, :]  # (1, N)
 
     if use_cache:
-        cache = model.empty_cache(batch_size, total)  # (B, L, 2, S, H, D)
+        # One (key, value) pair per layer: each step updates them in place
+        # (under XLA) instead of re-stacking a (B, L, 2, H, S, D) tensor.
+        head_dim = model.hidden_dim // model.num_heads
+        empty = tf.zeros([batch_size, model.num_heads, total, head_dim], model.compute_dtype)
+        cache = [(empty, empty) for _ in range(model.num_layers)]
         logits, cache = model(
             token_ids,
             padding_mask=key_mask,

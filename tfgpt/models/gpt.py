@@ -156,8 +156,13 @@ class GPT(keras.Model):
         Args:
             token_ids: int tensor (B, T).
             padding_mask: optional (B, S) mask of real key positions.
-            cache: optional (B, num_layers, 2, S, H, D) key/value cache; when
-                given, the updated cache is returned after the logits.
+            cache: optional key/value cache: one (B, num_layers, 2, H, S, D)
+                tensor (`empty_cache`), or a list with one entry per layer,
+                a (B, 2, H, S, D) tensor or a `(key, value)` pair of
+                (B, H, S, D) tensors. When given, the updated cache, in the
+                same form, is returned after the logits. The list of pairs
+                spares a decoding loop from slicing and re-stacking the whole
+                cache at every step (`tfgpt.generation` uses it).
             cache_index: position of `token_ids[:, 0]` in the cache.
             positions: optional explicit positions (B, T) for left padding.
             training: bool. Enables dropout.
@@ -165,6 +170,7 @@ class GPT(keras.Model):
         x = self.embeddings(
             token_ids, start_index=cache_index, positions=positions, training=training
         )  # (B, T, C)
+        per_layer = isinstance(cache, (list, tuple))
         new_caches = []
         for index, block in enumerate(self.blocks):
             if cache is None:
@@ -173,7 +179,7 @@ class GPT(keras.Model):
                 x, layer_cache = block(
                     x,
                     padding_mask=padding_mask,
-                    cache=cache[:, index],
+                    cache=cache[index] if per_layer else cache[:, index],
                     cache_index=cache_index,
                     training=training,
                 )
@@ -181,8 +187,10 @@ class GPT(keras.Model):
         if self.final_norm is not None:
             x = self.final_norm(x)
         logits = self._project_to_vocabulary(x)  # (B, T, V)
+        if per_layer:
+            return logits, new_caches  # L x (B, 2, H, S, D) or L x 2 x (B, H, S, D)
         if cache is not None:
-            return logits, tf.stack(new_caches, axis=1)  # (B, L, 2, S, H, D)
+            return logits, tf.stack(new_caches, axis=1)  # (B, L, 2, H, S, D)
         return logits
 
     def _project_to_vocabulary(self, x):
@@ -253,7 +261,7 @@ class GPT(keras.Model):
         return children
 
     def empty_cache(self, batch_size, cache_length=None):
-        """Returns a zero key/value cache (B, L, 2, S, H, D) for decoding.
+        """Returns a zero key/value cache (B, L, 2, H, S, D) for decoding.
 
         `batch_size` and `cache_length` may be scalar tensors (inside a
         `tf.function`); `cache_length` defaults to `max_sequence_length`.
@@ -261,7 +269,7 @@ class GPT(keras.Model):
         if cache_length is None:
             cache_length = self.max_sequence_length
         head_dim = self.hidden_dim // self.num_heads
-        shape = [batch_size, self.num_layers, 2, cache_length, self.num_heads, head_dim]
+        shape = [batch_size, self.num_layers, 2, self.num_heads, cache_length, head_dim]
         return tf.zeros(shape, dtype=self.compute_dtype)
 
     def get_config(self):
