@@ -96,12 +96,8 @@ def test_vocabulary_smaller_than_tokenizer_is_rejected(tiny_data, tmp_path):
     assert "vocabulary_size=100" in output and "300 ids" in output
 
 
-def test_corrupted_shard_stops_training_with_its_name(tiny_data, tmp_path):
+def _corrupted_copy(tiny_data, tmp_path):
     import shutil
-
-    from tfgpt.distributed import LocalDistribution
-    from tfgpt.training.flags import parse_flags
-    from tfgpt.training.trainer import train
 
     data = tmp_path / "data"
     shutil.copytree(tiny_data, data)
@@ -109,12 +105,35 @@ def test_corrupted_shard_stops_training_with_its_name(tiny_data, tmp_path):
     raw = bytearray(shard.read_bytes())
     raw[len(raw) // 2 : len(raw) // 2 + 64] = bytes(64)  # same size, flipped bytes
     shard.write_bytes(bytes(raw))
-    train_config, overrides = parse_flags(
-        ["--data", str(data), "--out", str(tmp_path / "run"), "--steps", "200",
-         "--batch-size", "4", *TINY_MODEL]
-    )
+    return data, shard
+
+
+def _train_locally(argv):
+    from tfgpt.distributed import LocalDistribution
+    from tfgpt.training.flags import parse_flags
+    from tfgpt.training.trainer import train
+
+    train_config, overrides = parse_flags(argv)
+    return train(train_config, overrides, LocalDistribution())
+
+
+def test_corrupted_shard_stops_training_with_its_name(tiny_data, tmp_path):
+    data, shard = _corrupted_copy(tiny_data, tmp_path)
     with pytest.raises(ValueError, match=rf"{shard.name}: shard is corrupted: sha256"):
-        train(train_config, overrides, LocalDistribution())
+        _train_locally(["--data", str(data), "--out", str(tmp_path / "run"), "--steps", "200",
+                        "--batch-size", "4", *TINY_MODEL])
+
+
+def test_skip_corrupt_trains_on_without_the_bad_shard(tiny_data, tmp_path):
+    from pipelines.reader import CorruptShardWarning
+
+    data, shard = _corrupted_copy(tiny_data, tmp_path)
+    with pytest.warns(CorruptShardWarning, match=shard.name):
+        model, metrics = _train_locally([
+            "--data", str(data), "--out", str(tmp_path / "run"), "--steps", "30",
+            "--batch-size", "4", "--skip-corrupt", "--eval-batches", "2", "--peak-flops", "1e10",
+            *TINY_MODEL])
+    assert np.isfinite(metrics["val_loss"])
 
 
 def _checkpoint_tensors(path):

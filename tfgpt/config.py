@@ -217,6 +217,10 @@ class TrainConfig:
         seed: int. Seed for weights, dropout and data order.
         shuffle: bool. Shuffle shards and records (seeded); off reads every
             worker's part in file order.
+        skip_corrupt: bool. Leave shards that fail their size or checksum
+            check out of the run, with a warning that counts them, instead
+            of stopping (the epoch is topped up so every worker still runs
+            the same number of steps).
         out: str. Output directory: checkpoints, config.json, TensorBoard
             scalars and metrics.jsonl.
         log_every: int. Steps between log lines.
@@ -261,6 +265,7 @@ class TrainConfig:
     mixed_precision: str = "off"
     seed: int = 0
     shuffle: bool = True
+    skip_corrupt: bool = False
     out: str = "runs/gpt"
     log_every: int = 10
     save_every: int = 0

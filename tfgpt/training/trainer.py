@@ -234,6 +234,7 @@ def train(train_config, model_overrides, distribution):
                 seed=seed,
                 input_context=input_context,
                 deterministic=True,
+                skip_corrupt=train_config.skip_corrupt,
             )
             if train_config.accumulation_steps > 1:
                 dataset = dataset.batch(train_config.accumulation_steps, drop_remainder=True)
