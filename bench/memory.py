@@ -50,12 +50,13 @@ def worker_main(argv):
     from tfgpt import GPT
     from tfgpt.config import TrainConfig
     from tfgpt.distributed import LocalDistribution
+    from tfgpt.layers.transformer_block import set_recompute
     from tfgpt.training.optimizers import make_optimizer
     from tfgpt.training.train_step import TrainStep
 
     keras.utils.set_random_seed(0)
     model = GPT.from_preset(args.preset, dropout=0.0)
-    model.recompute = args.recompute
+    set_recompute(model, args.recompute)
     optimizer = make_optimizer(TrainConfig(data="-", warmup_steps=0))
     optimizer.build(model.trainable_variables)
     step = TrainStep(model, optimizer, LocalDistribution(), xla=args.xla)

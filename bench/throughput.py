@@ -99,7 +99,9 @@ def _tf_worker(args, batches):
     optimizer.build(model.trainable_variables)
     step = TrainStep(model, optimizer, LocalDistribution(), xla=args.xla)
     if args.recompute:
-        model.recompute = True
+        from tfgpt.layers.transformer_block import set_recompute
+
+        set_recompute(model, True)
     tensors = [(tf.constant(x), tf.constant(y)) for x, y in batches]
 
     def run_steps(count):
