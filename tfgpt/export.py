@@ -68,7 +68,7 @@ class GenerationModule(tf.Module):
         if seed is None:
             raise ValueError("An export needs a fixed `seed`. Received: seed=None")
         # A one-token prompt must fit with the new tokens.
-        generation._validate(model, [[0]], max_new_tokens, temperature, top_k, top_p, seed)
+        generation.validate_arguments(model, [[0]], max_new_tokens, temperature, top_k, top_p, seed)
         self.model = model
         self.tokenizer = tokenizer.tf_tokenizer()
         eos_id = tokenizer.eos_id if tokenizer.eos_id is not None else -1

@@ -92,7 +92,7 @@ def generate(
     [4, 4]
     """
     prompts = _prompt_rows(prompt_ids, padding_mask)
-    _validate(model, prompts, max_new_tokens, temperature, top_k, top_p, seed)
+    validate_arguments(model, prompts, max_new_tokens, temperature, top_k, top_p, seed)
     if jit_compile and not use_cache:
         raise ValueError(
             "`jit_compile=True` needs the cache: the uncached reference path "
@@ -380,7 +380,8 @@ def _prompt_rows(prompt_ids, padding_mask):
     return [list(row) for row in rows]
 
 
-def _validate(model, prompts, max_new_tokens, temperature, top_k, top_p, seed):
+def validate_arguments(model, prompts, max_new_tokens, temperature, top_k, top_p, seed):
+    """Raises ValueError naming the first argument of `generate` out of range."""
     if not prompts:
         raise ValueError("`prompt_ids` is empty: give at least one prompt")
     for index, row in enumerate(prompts):
