@@ -253,8 +253,9 @@ def main(argv=None):
                         "(default: all cores; the full run adds 1)")
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--steps-per-round", type=int, default=None)
-    parser.add_argument("--xla-trainers", action=argparse.BooleanOptionalAction, default=True,
-                        help="run the scaling trainers and the memory steps with XLA")
+    parser.add_argument("--xla-trainers", action=argparse.BooleanOptionalAction, default=False,
+                        help="run the scaling trainers and the memory steps with --xla "
+                        "(default: the trainers' default, off)")
     parser.add_argument("--out", default=RESULTS)
     args = parser.parse_args(argv)
     args.rounds = args.rounds or (4 if args.quick else 8)

@@ -211,7 +211,12 @@ class TrainConfig:
         accumulation_steps: int. Micro-batches whose gradients are averaged
             before each update: the global batch is batch_size x
             accumulation_steps x workers.
-        xla: bool. JIT-compile the forward and backward pass with XLA.
+        xla: bool. Compile the whole training step with XLA (one process;
+            under Horovod the forward/backward pass and the update, with
+            the allreduce between them). Off, the forward/backward pass runs
+            on TensorFlow's oneDNN kernels and XLA fuses only the optimizer
+            update. Off by default: on CPU, XLA's bfloat16 matmuls are
+            several times slower than oneDNN's (README, Performance).
         mixed_precision: str. off, float16 (with dynamic loss scaling) or
             bfloat16. Variables stay float32 either way.
         seed: int. Seed for weights, dropout and data order.

@@ -28,15 +28,17 @@ def _dense(gradient):
     return tf.convert_to_tensor(gradient) if isinstance(gradient, tf.IndexedSlices) else gradient
 
 
-def _compiled_parts(distribution):
-    """What XLA may compile for `distribution` (see TrainStep)."""
+def _compiled_parts(distribution, xla):
+    """What XLA compiles for `distribution` (see TrainStep)."""
     from tfgpt.distributed.local import LocalDistribution
     from tfgpt.distributed.strategy import StrategyDistribution
 
+    if isinstance(distribution, StrategyDistribution):
+        return ("compute",) if xla else ()
+    if not xla:
+        return ("update",)
     if type(distribution) is LocalDistribution:
         return ("step",)
-    if isinstance(distribution, StrategyDistribution):
-        return ("compute",)
     return ("compute", "update")
 
 
@@ -49,19 +51,26 @@ def _loss_scale(optimizer):
 class TrainStep:
     """Forward, backward, gradient averaging and the optimizer update.
 
-    What XLA compiles (`xla=True`) depends on where the gradients are
-    averaged, since a collective cannot run inside an XLA cluster here:
+    What XLA compiles (`compiled`) depends on `xla` and on where the
+    gradients are averaged, since a collective cannot run inside an XLA
+    cluster here:
 
-    - one process (`LocalDistribution`, nothing to average): the whole step,
-      forward, backward, clipping and the optimizer update, is one XLA
-      cluster, so XLA fuses the update into the backward pass;
-    - Horovod (or any other distribution whose `allreduce_gradients` is not
-      a `tf.distribute` replica all-reduce): the forward/backward pass and
-      the update are compiled apart, with the allreduce between them;
-    - a `tf.distribute` strategy: the forward/backward pass only. Keras
-      applies the update through `merge_call`, which cannot run inside a
-      nested (XLA-compiled) `tf.function` ("`merge_call` called while
-      defining a new graph").
+    - `xla=False`: the forward/backward pass runs in graph mode, on
+      TensorFlow's oneDNN kernels (on CPU, XLA's own bfloat16 matmuls are
+      several times slower); only the optimizer update, a chain of
+      elementwise ops per variable that graph mode runs as separate passes
+      over memory, is compiled, into one fused pass (`("update",)`);
+    - `xla=True`, one process (`LocalDistribution`, nothing to average):
+      the whole step, forward, backward, clipping and update, is one XLA
+      cluster (`("step",)`);
+    - `xla=True`, Horovod (or any other distribution whose
+      `allreduce_gradients` is not a `tf.distribute` replica all-reduce):
+      the forward/backward pass and the update are compiled apart, with
+      the allreduce between them (`("compute", "update")`);
+    - a `tf.distribute` strategy: the forward/backward pass with `xla`,
+      nothing without. Keras applies the update through `merge_call`,
+      which cannot run inside a nested (XLA-compiled) `tf.function`
+      ("`merge_call` called while defining a new graph").
 
     With `accumulation_steps=K`, every leaf of a batch carries a leading
     axis of K micro-batches; their gradients are averaged locally before
@@ -98,7 +107,7 @@ class TrainStep:
         self.loss_fn = loss_fn
         self.accumulation_steps = accumulation_steps
         self.variables = model.trainable_variables
-        self.compiled = _compiled_parts(distribution) if xla else ()
+        self.compiled = _compiled_parts(distribution, xla)
         self._forward_backward = self._forward_backward_fn
         self._update = self._update_fn
         if "compute" in self.compiled:
