@@ -129,10 +129,11 @@ def scaling_section(args, work):
         rounds=1 if args.quick else 2, log=lambda message: print(message, flush=True),
         extra=["--xla"] if args.xla_trainers else [],
     )
-    rows = [[kind, f"{sorted(r['tokens_per_second_1'])[len(r['tokens_per_second_1']) // 2]:,.0f}",
-             f"{sorted(r['tokens_per_second_2'])[len(r['tokens_per_second_2']) // 2]:,.0f}",
-             f"{r['efficiency']:.0%}"] for kind, r in figures["results"].items()]
-    _print_table(["trainer", "T(1) tokens/s", "T(2) tokens/s", "T(2)/(2 T(1))"], rows)
+    rows = [[kind, " / ".join(f"{t:,.0f}" for t in r["tokens_per_second_1"]),
+             " / ".join(f"{t:,.0f}" for t in r["tokens_per_second_2"]),
+             " / ".join(f"{e:.0%}" for e in r["efficiency_per_round"])]
+            for kind, r in figures["results"].items()]
+    _print_table(["trainer", "T(1) tokens/s", "T(2) tokens/s", "T(2)/(2 T(1)) per round"], rows)
     return figures
 
 

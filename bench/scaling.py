@@ -3,8 +3,10 @@
 Horovod: `horovodrun -np 2 train_hvd.py --intra-op-threads 1` against
 `python train_hvd.py --intra-op-threads 1` (one worker, one thread), the
 same per-worker batch. tf.distribute: two MultiWorkerMirrored processes on
-localhost (TF_CONFIG), one thread each, against `train_mirrored.py
---strategy default` with one thread. Every run is a real trainer process
+localhost (TF_CONFIG), one intra-op thread each, against `train_mirrored.py
+--strategy default` with one intra-op thread. (train_mirrored.py leaves the
+inter-op pool at its default size, so its "one thread" can still use both
+cores for independent ops; train_hvd.py sets it to one as well.) Every run is a real trainer process
 with a fixed `--peak-flops` (no time spent measuring a peak); T is the
 median of the global tokens/s the trainer logs in metrics.jsonl, without
 its first timed window. The configurations alternate within each round.
@@ -74,6 +76,12 @@ def _run(commands, timeout):
             raise RuntimeError(f"trainer failed ({process.returncode}):\n{output[-3000:]}")
 
 
+def _median(values):
+    values = sorted(values)
+    middle = len(values) // 2
+    return values[middle] if len(values) % 2 else 0.5 * (values[middle - 1] + values[middle])
+
+
 def tokens_per_second(out):
     """Median global tokens/s logged by the trainer, first timed window dropped."""
     rates = []
@@ -82,8 +90,8 @@ def tokens_per_second(out):
             record = json.loads(line)
             if record.get("split") == "train" and "tokens_per_second" in record:
                 rates.append(record["tokens_per_second"])
-    rates = sorted(rates[1:] or rates)
-    return rates[len(rates) // 2], len(rates)
+    rates = rates[1:] or rates
+    return _median(rates), len(rates)
 
 
 def run_job(kind, workers, data, work, preset, steps, batch_size, log_every, extra, timeout=1200):
@@ -131,7 +139,7 @@ def measure(data, work, preset="gpt-mini", steps=30, batch_size=8, log_every=5, 
         results[kind] = {
             "tokens_per_second_1": one,
             "tokens_per_second_2": two,
-            "efficiency": sorted(efficiencies)[len(efficiencies) // 2],
+            "efficiency": _median(efficiencies),
             "efficiency_per_round": efficiencies,
         }
     return {"preset": preset, "batch_size_per_worker": batch_size, "steps": steps,
@@ -154,7 +162,8 @@ def main(argv=None):
     figures = measure(data, args.work, args.preset, args.steps, args.batch_size, args.log_every,
                       args.rounds, args.kinds, extra)
     for kind, result in figures["results"].items():
-        print(f"{kind}: scaling efficiency {result['efficiency']:.2f}")
+        rounds = ", ".join(f"{e:.2f}" for e in result["efficiency_per_round"])
+        print(f"{kind}: scaling efficiency {result['efficiency']:.2f} (rounds: {rounds})")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "scaling.json"), "w") as file:
         json.dump(figures, file, indent=2)
