@@ -9,10 +9,11 @@ from tfgpt import generation
 from tfgpt.config import GPTConfig, validate_gpt_config
 from tfgpt.layers.token_and_position_embedding import TokenAndPositionEmbedding
 from tfgpt.layers.transformer_block import TransformerBlock
+from tfgpt.models.tracked_blocks import TrackedBlocks
 
 
 @keras.saving.register_keras_serializable(package="tfgpt")
-class GPT(keras.Model):
+class GPT(TrackedBlocks, keras.Model):
     """Decoder-only transformer language model (Radford et al. 2018, 2019).
 
     Token and position embeddings, `num_layers` causal transformer blocks, a
@@ -249,16 +250,6 @@ class GPT(keras.Model):
             jit_compile=jit_compile,
             return_logits=return_logits,
         )
-
-    def _trackable_children(self, save_type="checkpoint", **kwargs):
-        children = super()._trackable_children(save_type, **kwargs)
-        if save_type == "checkpoint":
-            # Keras 3 (3.15) hands the `self.blocks` list to SavedModel but
-            # not to `tf.train.Checkpoint`: `Checkpoint(model=model)` would
-            # save and restore the embeddings and final norm only, without
-            # an error. Each block is a named child instead (model/block_0/...).
-            children.update({block.name: block for block in self.blocks})
-        return children
 
     def empty_cache(self, batch_size, cache_length=None):
         """Returns a zero key/value cache (B, L, 2, H, S, D) for decoding.
