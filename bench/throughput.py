@@ -38,6 +38,9 @@ CONFIGURATIONS = {
     "tfgpt fp32 xla": dict(framework="tf", precision="fp32", xla=True),
     "tfgpt bf16": dict(framework="tf", precision="bf16", xla=False),
     "tfgpt bf16 xla": dict(framework="tf", precision="bf16", xla=True),
+    # TensorFlow's own (Eigen) kernels instead of oneDNN's: a setting read at import.
+    "tfgpt fp32 no-onednn": dict(framework="tf", precision="fp32", xla=False,
+                                 env={"TF_ENABLE_ONEDNN_OPTS": "0"}),
     "torch fp32": dict(framework="torch", precision="fp32"),
     "torch bf16": dict(framework="torch", precision="bf16"),
     "torch fp32 compile": dict(framework="torch", precision="fp32", compile=True),
@@ -206,6 +209,8 @@ class Worker:
 
         self.name = name
         argv = [sys.executable, "-m", "bench.throughput", "worker"]
+        options = dict(options)
+        env = {**(env or {}), **options.pop("env", {})}
         for key, value in {**common, **options}.items():
             if key == "tfgpt_path" and not value:
                 continue
@@ -369,8 +374,9 @@ def main(argv=None):
             if options.get("framework") == "tf":
                 extra[name + " @baseline"] = {**options, "tfgpt_path": os.path.abspath(args.baseline)}
                 names.append(name + " @baseline")
+    # Token batches and worker logs go to a scratch directory, the figures beside it.
     measurement = measure(names, args.preset, args.batch_size, args.rounds, args.steps_per_round,
-                          args.threads, args.out, extra=extra)
+                          args.threads, os.path.join(args.out, "work", "throughput"), extra=extra)
     for name, result in measurement["results"].items():
         unit = "GFLOP/s" if name.startswith("peak") else "tokens/s"
         scale = 1e9 if name.startswith("peak") else 1
