@@ -213,10 +213,9 @@ class TrainConfig:
             accumulation_steps x workers.
         xla: bool. Compile the whole training step with XLA (one process;
             under Horovod the forward/backward pass and the update, with
-            the allreduce between them). Off, the forward/backward pass runs
-            on TensorFlow's oneDNN kernels and XLA fuses only the optimizer
-            update. Off by default: on CPU, XLA's bfloat16 matmuls are
-            several times slower than oneDNN's (README, Performance).
+            the allreduce between them). Off by default: on CPU, XLA's
+            bfloat16 matmuls are several times slower than the oneDNN
+            kernels graph mode uses (README, Performance).
         mixed_precision: str. off, float16 (with dynamic loss scaling) or
             bfloat16. Variables stay float32 either way.
         seed: int. Seed for weights, dropout and data order.
