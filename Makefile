@@ -1,6 +1,7 @@
 # Entry points for a fresh clone. Every target uses .venv/bin/python directly,
 # so nothing depends on an activated venv.
-#   make setup      create .venv, install requirements, build Horovod (idempotent)
+#   make setup      create .venv, install requirements, build Horovod and tfgpt's
+#                   fused kernels (idempotent)
 #   make test       setup, then the pytest suite (PYTEST_ARGS="-m 'not slow'" to narrow)
 #   make demo       setup, then scripts/demo.sh
 #   make clean      remove build/ and runs/ (keeps .venv)

@@ -41,6 +41,11 @@ CONFIGURATIONS = {
     # TensorFlow's own (Eigen) kernels instead of oneDNN's: a setting read at import.
     "tfgpt fp32 no-onednn": dict(framework="tf", precision="fp32", xla=False,
                                  env={"TF_ENABLE_ONEDNN_OPTS": "0"}),
+    # TensorFlow's composite ops instead of tfgpt's fused kernels (tfgpt.kernels).
+    "tfgpt fp32 composite": dict(framework="tf", precision="fp32", xla=False,
+                                 env={"TFGPT_FUSED_KERNELS": "0"}),
+    "tfgpt bf16 composite": dict(framework="tf", precision="bf16", xla=False,
+                                 env={"TFGPT_FUSED_KERNELS": "0"}),
     "torch fp32": dict(framework="torch", precision="fp32"),
     "torch bf16": dict(framework="torch", precision="bf16"),
     "torch fp32 compile": dict(framework="torch", precision="fp32", compile=True),

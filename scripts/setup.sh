@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv/ at the repo root with Python 3.11, install the pinned stack
 # (requirements.txt, requirements-test.txt, tfgpt itself in editable mode) and
-# build Horovod against it (scripts/build_horovod.sh).
+# build Horovod against it (scripts/build_horovod.sh), then tfgpt's fused CPU
+# kernels (python -m tfgpt.kernels.build).
 #
 # Safe to rerun: the pip step is skipped while a stamp in .venv records the
 # sha256 of the requirement files it installed, and the Horovod build is
@@ -110,5 +111,13 @@ fi
 
 # --- 5. Horovod -----------------------------------------------------------------
 PYTHON="$PY" "$REPO_ROOT/scripts/build_horovod.sh"
+
+# --- 6. tfgpt's fused CPU kernels (tfgpt/kernels/cc) ----------------------------
+# Compiled against the installed TensorFlow; skipped while their stamp matches
+# (and in the Docker images' first, dependencies-only layer, which has no sources).
+if [[ -d tfgpt/kernels/cc ]]; then
+  "$PY" -m tfgpt.kernels.build \
+    || die "step 'python -m tfgpt.kernels.build' failed (compiler output above); tfgpt still runs without them (TFGPT_FUSED_KERNELS=0 silences the warning), only slower"
+fi
 
 log "done in $((SECONDS - start))s: use $PY (or 'make test')"

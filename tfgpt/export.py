@@ -35,7 +35,7 @@ import sys
 
 import tensorflow as tf
 
-from tfgpt import generation
+from tfgpt import generation, kernels
 
 
 class GenerationModule(tf.Module):
@@ -142,16 +142,19 @@ def export(
         stop_at_eos=stop_at_eos,
         jit_compile=jit_compile,
     )
-    generate = module.generate.get_concrete_function()
-    tf.saved_model.save(
-        module,
-        directory,
-        signatures={
-            "serving_default": generate,
-            "generate": generate,
-            "logits": module.logits.get_concrete_function(),
-        },
-    )
+    # Standard TensorFlow ops only: the SavedModel must load where tfgpt's
+    # fused kernels are not built (TF Serving, another machine).
+    with kernels.disabled():
+        generate = module.generate.get_concrete_function()
+        tf.saved_model.save(
+            module,
+            directory,
+            signatures={
+                "serving_default": generate,
+                "generate": generate,
+                "logits": module.logits.get_concrete_function(),
+            },
+        )
     return module
 
 

@@ -3,11 +3,15 @@
 import keras
 import tensorflow as tf
 
+from tfgpt import kernels
 from tfgpt.layers.causal_self_attention import CausalSelfAttention
 
+# GELU through tfgpt.kernels: one fused pass forward and backward on CPU,
+# `tf.nn.gelu` (what keras.activations.gelu runs) under XLA or without the
+# built kernels.
 _ACTIVATIONS = {
-    "gelu": lambda x: keras.activations.gelu(x, approximate=False),
-    "gelu_tanh": lambda x: keras.activations.gelu(x, approximate=True),
+    "gelu": lambda x: kernels.gelu(x, approximate=False),
+    "gelu_tanh": lambda x: kernels.gelu(x, approximate=True),
     "relu": keras.activations.relu,
 }
 

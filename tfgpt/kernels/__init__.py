@@ -1,0 +1,143 @@
+"""Fused CPU kernels for the elementwise and row-wise work of a training step.
+
+TensorFlow runs GELU, layer normalization and masked softmax as chains of
+small ops, each a pass over memory (and, under mixed precision, wrapped in
+bfloat16 <-> float32 casts); once the matmuls are fast (oneDNN, AMX in
+bfloat16) those chains take much of a CPU step. The kernels here do each of
+them, forward and backward, in one multi-threaded pass with float32 math.
+They are C++ TensorFlow ops in `tfgpt/kernels/cc/`, compiled against the
+installed TensorFlow by `python -m tfgpt.kernels.build` (`make setup` runs
+it).
+
+Each public function (`gelu`, ...) takes the fused op when it can and
+otherwise builds the same computation from TensorFlow ops:
+
+- the library is built and current (else: a one-time warning, then the
+  composite ops);
+- the call is not being compiled by XLA (`--xla`, `jit_compile=True`: XLA
+  fuses the composite ops itself and cannot run a custom op);
+- no GPU is visible (the kernels are CPU-only);
+- fused kernels are not turned off: environment `TFGPT_FUSED_KERNELS=0`,
+  or `with tfgpt.kernels.disabled():` around the code that traces the
+  model (a SavedModel export does this, so the exported graph holds only
+  standard ops and loads without tfgpt).
+
+Example:
+>>> import tensorflow as tf
+>>> from tfgpt import kernels
+>>> y = kernels.gelu(tf.constant([[-1.0, 0.0, 2.0]]))
+"""
+
+import contextlib
+import json
+import logging
+import os
+import threading
+
+import tensorflow as tf
+
+try:  # Private, long-stable TF API (also used by tfgpt.layers' cache writes).
+    from tensorflow.python.framework.ops import get_default_graph as _default_graph
+    from tensorflow.python.ops.control_flow_util import (
+        GraphOrParentsInXlaContext as _in_xla_graph,
+    )
+except ImportError:  # pragma: no cover
+    _in_xla_graph = None
+
+_logger = logging.getLogger("tfgpt.kernels")
+_state = threading.local()
+_lock = threading.Lock()
+_library = None
+_load_error = None
+_loaded = False
+_has_gpu = None
+
+
+def in_xla_context():
+    """True while tracing code that XLA will compile (jit_compile=True)."""
+    if _in_xla_graph is None:  # pragma: no cover
+        return True  # cannot tell: be safe, use the composite ops
+    return bool(_in_xla_graph(_default_graph()))
+
+
+def _env_enabled():
+    return os.environ.get("TFGPT_FUSED_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _load():
+    """Loads the built library once; returns it, or None with the reason kept."""
+    global _library, _load_error, _loaded
+    # Imported here, not at the top: `python -m tfgpt.kernels.build` runs
+    # this package's __init__ before the build module.
+    from tfgpt.kernels import build as _build
+
+    with _lock:
+        if _loaded:
+            return _library
+        _loaded = True
+        _library, _load_error = None, None
+        stamp = _build.read_stamp() or {}
+        missing = set(stamp.get("requires_cpu_features", [])) - _build.cpu_features()
+        if not os.path.exists(_build.LIBRARY):
+            _load_error = "not built"
+        elif not _build.is_current(tf.__version__, stamp.get("fingerprint", {}).get("flags", [])):
+            _load_error = "built from other sources or another TensorFlow"
+        elif missing:
+            _load_error = f"built for CPU features this CPU lacks: {sorted(missing)}"
+        else:
+            try:
+                _library = tf.load_op_library(_build.LIBRARY)
+            except (tf.errors.NotFoundError, OSError) as error:
+                _load_error = f"loading failed: {error}"
+        if _library is None:
+            _logger.warning(
+                "tfgpt fused kernels unavailable (%s): using TensorFlow's composite ops, "
+                "slower on CPU. Build them with `python -m tfgpt.kernels.build` "
+                "(part of `make setup`).", _load_error,
+            )
+        return _library
+
+
+def library():
+    """The loaded op library (a module of op functions), or None."""
+    return _load()
+
+
+def unavailable_reason():
+    """Why `library()` is None ("" when it is loaded)."""
+    _load()
+    return _load_error or ""
+
+
+@contextlib.contextmanager
+def disabled():
+    """Traces the composite TensorFlow ops instead of the fused kernels."""
+    previous = getattr(_state, "disabled", False)
+    _state.disabled = True
+    try:
+        yield
+    finally:
+        _state.disabled = previous
+
+
+def use_fused():
+    """True when a call made now should take a fused kernel (see module doc)."""
+    global _has_gpu
+    if getattr(_state, "disabled", False) or not _env_enabled() or in_xla_context():
+        return False
+    if _has_gpu is None:
+        _has_gpu = bool(tf.config.list_physical_devices("GPU"))
+    return not _has_gpu and _load() is not None
+
+
+def build_info():
+    """The stamp of the built library (dict), or None."""
+    from tfgpt.kernels import build as _build
+
+    stamp = _build.read_stamp()
+    return json.loads(json.dumps(stamp)) if stamp else None
+
+
+from tfgpt.kernels.gelu_kernel import gelu  # noqa: E402  (needs use_fused above)
+
+__all__ = ["disabled", "gelu", "in_xla_context", "library", "unavailable_reason", "use_fused"]
