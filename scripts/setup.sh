@@ -116,7 +116,7 @@ PYTHON="$PY" "$REPO_ROOT/scripts/build_horovod.sh"
 # Compiled against the installed TensorFlow; skipped while their stamp matches
 # (and in the Docker images' first, dependencies-only layer, which has no sources).
 if [[ -d tfgpt/kernels/cc ]]; then
-  "$PY" -m tfgpt.kernels.build \
+  TF_CPP_MIN_LOG_LEVEL=2 "$PY" -m tfgpt.kernels.build \
     || die "step 'python -m tfgpt.kernels.build' failed (compiler output above); tfgpt still runs without them (TFGPT_FUSED_KERNELS=0 silences the warning), only slower"
 fi
 
