@@ -138,6 +138,8 @@ def build_info():
     return json.loads(json.dumps(stamp)) if stamp else None
 
 
-from tfgpt.kernels.gelu_kernel import gelu  # noqa: E402  (needs use_fused above)
+# Below use_fused, which they call.
+from tfgpt.kernels.bias_gelu_kernel import bias_gelu  # noqa: E402
+from tfgpt.kernels.gelu_kernel import gelu  # noqa: E402
 
-__all__ = ["disabled", "gelu", "in_xla_context", "library", "unavailable_reason", "use_fused"]
+__all__ = ["bias_gelu", "disabled", "gelu", "in_xla_context", "library", "unavailable_reason", "use_fused"]
