@@ -126,8 +126,11 @@ def test_masked_lm_learns_a_counting_pattern():
 
     Each sequence counts up from a random start (mod the vocabulary); three
     random positions are replaced by a [MASK] id and predicted from their
-    neighbours. Chance is 1/37; 800 Adam steps (about 10 s on 2 cores) reach
-    well above 90% on held-out sequences.
+    neighbours. Chance is 1/37; 1200 Adam steps (about 15 s on 2 cores) reach
+    well above 90% on held-out sequences. The learning rate decays to zero:
+    at a constant 3e-3 the accuracy after 800 steps swung between 0.74 and
+    0.99 with the seed or the rounding of a fused kernel; decayed over 1200
+    steps it ended at 0.997-1.0 for seeds 0-4, fused kernels on or off.
     """
     keras.utils.set_random_seed(0)
     vocabulary, length, mask_id = 40, 12, 1
@@ -154,7 +157,7 @@ def test_masked_lm_learns_a_counting_pattern():
             embedding_dim=16,
         )
     )
-    optimizer = keras.optimizers.Adam(3e-3)
+    optimizer = keras.optimizers.Adam(keras.optimizers.schedules.CosineDecay(3e-3, 1200))
     # The pooler and the sentence-order head get no gradient from the masked LM.
     variables = [
         v
@@ -171,7 +174,7 @@ def test_masked_lm_learns_a_counting_pattern():
             )
         optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
 
-    for _ in range(800):
+    for _ in range(1200):
         train_step(*batch(32))
     inputs, labels = batch(512)
     predictions = np.argmax(model(inputs)["mlm_logits"].numpy(), -1)

@@ -4,6 +4,7 @@ from tfgpt.layers.causal_self_attention import CausalSelfAttention
 from tfgpt.layers.classification_head import ClassificationHead
 from tfgpt.layers.encoder_block import EncoderBlock
 from tfgpt.layers.encoder_embedding import EncoderEmbedding
+from tfgpt.layers.layer_norm import LayerNorm
 from tfgpt.layers.masked_lm_head import MaskedLMHead
 from tfgpt.layers.self_attention import SelfAttention
 from tfgpt.layers.span_head import SpanHead
@@ -17,6 +18,7 @@ __all__ = [
     "ClassificationHead",
     "EncoderBlock",
     "EncoderEmbedding",
+    "LayerNorm",
     "MaskedLMHead",
     "SelfAttention",
     "SpanHead",

@@ -2,6 +2,7 @@
 
 import keras
 
+from tfgpt.layers.layer_norm import LayerNorm
 from tfgpt.layers.self_attention import SelfAttention
 from tfgpt.layers.transformer_block import _ACTIVATIONS  # One table for both block kinds.
 
@@ -62,7 +63,7 @@ class EncoderBlock(keras.layers.Layer):
         self.layer_norm_epsilon = layer_norm_epsilon
         initializer = keras.initializers.RandomNormal(stddev=0.02)
         policy = self.dtype_policy
-        self.attention_norm = keras.layers.LayerNormalization(
+        self.attention_norm = LayerNorm(
             epsilon=layer_norm_epsilon, dtype=policy, name="attention_norm"
         )
         self.attention = SelfAttention(
@@ -71,7 +72,7 @@ class EncoderBlock(keras.layers.Layer):
         self.attention_dropout = keras.layers.Dropout(
             dropout, dtype=policy, name="attention_dropout"
         )
-        self.feedforward_norm = keras.layers.LayerNormalization(
+        self.feedforward_norm = LayerNorm(
             epsilon=layer_norm_epsilon, dtype=policy, name="feedforward_norm"
         )
         self.feedforward_intermediate = keras.layers.Dense(

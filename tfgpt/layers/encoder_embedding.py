@@ -3,6 +3,8 @@
 import keras
 import tensorflow as tf
 
+from tfgpt.layers.layer_norm import LayerNorm
+
 
 @keras.saving.register_keras_serializable(package="tfgpt")
 class EncoderEmbedding(keras.layers.Layer):
@@ -57,7 +59,7 @@ class EncoderEmbedding(keras.layers.Layer):
         self.token_embedding = embedding(vocabulary_size, "token_embedding")
         self.position_embedding = embedding(max_sequence_length, "position_embedding")
         self.segment_embedding = embedding(num_segments, "segment_embedding")
-        self.embedding_norm = keras.layers.LayerNormalization(
+        self.embedding_norm = LayerNorm(
             epsilon=layer_norm_epsilon, dtype=policy, name="embedding_norm"
         )
         self.embedding_dropout = keras.layers.Dropout(

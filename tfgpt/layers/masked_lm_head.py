@@ -3,6 +3,7 @@
 import keras
 import tensorflow as tf
 
+from tfgpt.layers.layer_norm import LayerNorm
 from tfgpt.layers.transformer_block import _ACTIVATIONS  # One table of activation names.
 
 
@@ -56,7 +57,7 @@ class MaskedLMHead(keras.layers.Layer):
             dtype=policy,
             name="transform",
         )
-        self.transform_norm = keras.layers.LayerNormalization(
+        self.transform_norm = LayerNorm(
             epsilon=layer_norm_epsilon, dtype=policy, name="transform_norm"
         )
 

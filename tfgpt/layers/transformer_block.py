@@ -5,6 +5,7 @@ import tensorflow as tf
 
 from tfgpt import kernels
 from tfgpt.layers.causal_self_attention import CausalSelfAttention
+from tfgpt.layers.layer_norm import LayerNorm
 
 # GELU through tfgpt.kernels: one fused pass forward and backward on CPU,
 # `tf.nn.gelu` (what keras.activations.gelu runs) under XLA or without the
@@ -81,7 +82,7 @@ class TransformerBlock(keras.layers.Layer):
         self.layer_norm_epsilon = layer_norm_epsilon
         initializer = keras.initializers.RandomNormal(stddev=0.02)
         policy = self.dtype_policy
-        self.attention_norm = keras.layers.LayerNormalization(
+        self.attention_norm = LayerNorm(
             epsilon=layer_norm_epsilon, dtype=policy, name="attention_norm"
         )
         self.attention = CausalSelfAttention(
@@ -90,7 +91,7 @@ class TransformerBlock(keras.layers.Layer):
         self.attention_dropout = keras.layers.Dropout(
             dropout, dtype=policy, name="attention_dropout"
         )
-        self.feedforward_norm = keras.layers.LayerNormalization(
+        self.feedforward_norm = LayerNorm(
             epsilon=layer_norm_epsilon, dtype=policy, name="feedforward_norm"
         )
         self.feedforward_intermediate = keras.layers.Dense(

@@ -8,6 +8,7 @@ from tfgpt.config import AlbertConfig, validate_albert_config
 from tfgpt.layers.classification_head import ClassificationHead
 from tfgpt.layers.encoder_block import EncoderBlock
 from tfgpt.layers.encoder_embedding import EncoderEmbedding
+from tfgpt.layers.layer_norm import LayerNorm
 from tfgpt.layers.masked_lm_head import MaskedLMHead
 from tfgpt.models.encoder_inputs import pack_encoder_inputs, unpack_encoder_inputs
 from tfgpt.models.tracked_blocks import TrackedBlocks
@@ -133,7 +134,7 @@ class AlbertBackbone(TrackedBlocks, keras.Model):
             for index in range(num_groups)
         ]
         self.final_norm = (
-            keras.layers.LayerNormalization(
+            LayerNorm(
                 epsilon=layer_norm_epsilon, dtype=policy, name="final_norm"
             )
             if norm_first

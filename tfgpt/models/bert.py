@@ -8,6 +8,7 @@ from tfgpt.config import BertConfig, validate_bert_config
 from tfgpt.layers.classification_head import ClassificationHead
 from tfgpt.layers.encoder_block import EncoderBlock
 from tfgpt.layers.encoder_embedding import EncoderEmbedding
+from tfgpt.layers.layer_norm import LayerNorm
 from tfgpt.layers.masked_lm_head import MaskedLMHead
 from tfgpt.models.encoder_inputs import pack_encoder_inputs, unpack_encoder_inputs
 from tfgpt.models.tracked_blocks import TrackedBlocks
@@ -117,7 +118,7 @@ class BertBackbone(TrackedBlocks, keras.Model):
         ]
         # Post-LN blocks already end in a norm; pre-LN needs one after the last.
         self.final_norm = (
-            keras.layers.LayerNormalization(
+            LayerNorm(
                 epsilon=layer_norm_epsilon, dtype=policy, name="final_norm"
             )
             if norm_first

@@ -7,6 +7,7 @@ import tensorflow as tf
 
 from tfgpt import generation
 from tfgpt.config import GPTConfig, validate_gpt_config
+from tfgpt.layers.layer_norm import LayerNorm
 from tfgpt.layers.token_and_position_embedding import TokenAndPositionEmbedding
 from tfgpt.layers.transformer_block import TransformerBlock
 from tfgpt.models.tracked_blocks import TrackedBlocks
@@ -108,7 +109,7 @@ class GPT(TrackedBlocks, keras.Model):
         ]
         # Post-LN blocks already end in a norm; pre-LN needs one after the last.
         self.final_norm = (
-            keras.layers.LayerNormalization(
+            LayerNorm(
                 epsilon=layer_norm_epsilon, dtype=policy, name="final_norm"
             )
             if norm_first
