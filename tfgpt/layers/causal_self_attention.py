@@ -3,8 +3,9 @@
 import math
 
 import keras
-import numpy as np
 import tensorflow as tf
+
+from tfgpt.kernels.causal_softmax_kernel import causal_softmax
 
 try:  # Private, long-stable TF API; without it every write takes the XLA op.
     from tensorflow.python.framework.ops import get_default_graph
@@ -43,7 +44,8 @@ class CausalSelfAttention(keras.layers.Layer):
     heads at once (GPT-2's `c_attn`), each head of width
     `hidden_dim // num_heads`; a second projects the concatenated heads back
     (`c_proj`). Position i attends to positions <= i only. Softmax runs in
-    float32 under mixed precision.
+    float32 under mixed precision; in training (no cache, no padding mask)
+    through `tfgpt.kernels.causal_softmax`, one fused pass each way on CPU.
 
     With a cache, the layer writes this call's keys and values at
     `cache_index` and attends over every cached position up to the query's
@@ -150,10 +152,19 @@ class CausalSelfAttention(keras.layers.Layer):
             key, value = tf.unstack(cache, 2, axis=1)  # 2 x (B, H, S, D)
 
         scores = tf.matmul(query, key, transpose_b=True)  # (B, H, T, S)
-        scores = tf.cast(scores, "float32") + self._mask_bias(
-            inputs, key, padding_mask, cache, cache_index
-        )  # (B, H, T, S)
-        weights = tf.nn.softmax(scores, axis=-1)  # (B, H, T, S)
+        if cache is None and padding_mask is None and inputs.shape[1] is not None:
+            # Training: masked softmax in one fused pass each way on CPU
+            # (tfgpt.kernels), else cast, constant bias, softmax, cast back.
+            weights = causal_softmax(scores)  # (B, H, T, T), compute dtype
+        else:
+            scores = tf.cast(scores, "float32") + self._mask_bias(
+                inputs, key, padding_mask, cache_index
+            )  # (B, H, T, S)
+            weights = tf.nn.softmax(scores, axis=-1)  # (B, H, T, S)
+        # Dropout gets the probabilities in the compute dtype from the fused
+        # path. Nothing changes: Keras casts a layer's float32 input to its
+        # compute dtype, so under mixed precision dropout already acted on
+        # the rounded probabilities (same random draws, shape and dtype).
         weights = self.attention_dropout(weights, training=training)
         weights = tf.cast(weights, self.compute_dtype)
 
@@ -165,21 +176,15 @@ class CausalSelfAttention(keras.layers.Layer):
             return outputs, cache
         return outputs
 
-    def _mask_bias(self, inputs, key, padding_mask, cache, cache_index):
-        """Additive float32 mask (T, S) or (B, 1, T, S): 0 where a query may
-        attend, -1e9 elsewhere.
+    def _mask_bias(self, inputs, key, padding_mask, cache_index):
+        """Additive float32 mask (1, 1, T, S) or (B, 1, T, S): 0 where a
+        query may attend, -1e9 elsewhere.
 
         A large finite negative rather than -inf: a fully masked row (a
         left-padding query) then yields a uniform, finite distribution
         instead of NaN. An add costs nothing in the backward pass, where a
         select costs a second select.
         """
-        length = inputs.shape[1]
-        if cache is None and padding_mask is None and length is not None:
-            # Training: a constant, built once per sequence length when the
-            # step is traced instead of compared and selected at every call.
-            upper = np.triu(np.ones((length, length), dtype=bool), k=1)
-            return tf.constant(np.where(upper, -1e9, 0.0).astype("float32"))  # (T, T)
         query_positions = tf.range(tf.shape(inputs)[1]) + cache_index  # (T,)
         key_positions = tf.range(tf.shape(key)[2])  # (S,)
         allowed = key_positions[tf.newaxis, :] <= query_positions[:, tf.newaxis]  # (T, S)

@@ -1,0 +1,223 @@
+"""The fused causal softmax against NumPy, TensorFlow's autodiff and the
+composite path, alone and inside GPT.
+
+Oracles: a float64 NumPy masked softmax for the forward values, TensorFlow's
+autodiff of the composite ops (cast, bias, `tf.nn.softmax`, cast) for the
+gradients, and a GPT traced with `kernels.disabled()` for the model level.
+"""
+
+import contextlib
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfgpt import kernels
+from tfgpt.kernels.causal_softmax_kernel import causal_bias, causal_softmax
+
+FUSED_OPS = {"TfgptCausalSoftmax", "TfgptCausalSoftmaxGrad"}
+
+
+def _numpy_causal_softmax(scores):
+    scores = np.asarray(scores, dtype=np.float64)
+    queries, keys = scores.shape[-2:]
+    visible = np.arange(keys)[None, :] <= np.arange(queries)[:, None] + (keys - queries)
+    shifted = np.where(visible, scores, -np.inf)
+    shifted = shifted - shifted.max(axis=-1, keepdims=True)
+    exponentials = np.where(visible, np.exp(shifted), 0.0)
+    return exponentials / exponentials.sum(axis=-1, keepdims=True), visible
+
+
+def _composite(scores):
+    with kernels.disabled():
+        return causal_softmax(scores)
+
+
+def _op_types(fn, *args, jit_compile=False):
+    concrete = tf.function(fn, jit_compile=jit_compile).get_concrete_function(*args)
+    return {op.type for op in concrete.graph.get_operations()}
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [(1, 1), (7, 7), (3, 33, 33), (2, 256, 256), (2, 3, 5, 9), (1, 7, 40), (33, 34)],
+)
+def test_forward_matches_numpy_and_masks_exactly(shape):
+    scores = np.random.default_rng(0).normal(0, 3, shape).astype("float32")
+    expected, visible = _numpy_causal_softmax(scores)
+    probabilities = kernels.library().tfgpt_causal_softmax(scores).numpy()
+    np.testing.assert_allclose(probabilities, expected, rtol=1e-5, atol=1e-7)
+    assert np.all(probabilities[..., ~visible] == 0.0)
+    np.testing.assert_allclose(probabilities.sum(axis=-1), 1.0, rtol=1e-6)
+
+
+def test_large_scores_do_not_overflow():
+    scores = np.array([[1e4, -1e4, 3e4], [-3e4, 5e4, 7.0], [0.0, 8e4, 8e4]], "float32")
+    probabilities = kernels.library().tfgpt_causal_softmax(scores).numpy()
+    np.testing.assert_array_equal(probabilities, [[1, 0, 0], [0, 1, 0], [0, 0.5, 0.5]])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_low_precision_rounds_the_float32_result_once(dtype):
+    rng = np.random.default_rng(1)
+    scores = tf.cast(rng.normal(0, 3, (2, 3, 33, 41)).astype("float32"), dtype)
+    probabilities = kernels.library().tfgpt_causal_softmax(scores)
+    assert probabilities.dtype == dtype
+    expected, visible = _numpy_causal_softmax(tf.cast(scores, "float32").numpy())
+    expected = tf.cast(tf.constant(expected, "float32"), dtype)
+    # Float32 math on the rounded scores, then one rounding: at most one ulp.
+    np.testing.assert_allclose(tf.cast(probabilities, "float32"), tf.cast(expected, "float32"),
+                               rtol=8e-3 if dtype == "bfloat16" else 1e-3, atol=1e-6)
+    assert np.all(tf.cast(probabilities, "float32").numpy()[..., ~visible] == 0.0)
+    # The composite path rounds the same float32 softmax once as well.
+    np.testing.assert_allclose(tf.cast(probabilities, "float32"),
+                               tf.cast(_composite(scores), "float32"),
+                               rtol=8e-3 if dtype == "bfloat16" else 1e-3, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("shape", [(2, 3, 7, 7), (5, 9), (1, 1), (2, 33, 33)])
+def test_gradient_matches_autodiff_of_the_composite_path(shape, dtype):
+    rng = np.random.default_rng(2)
+    scores = tf.cast(rng.normal(0, 2, shape).astype("float32"), dtype)
+    upstream = tf.cast(rng.normal(0, 1, shape).astype("float32"), dtype)
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch(scores)
+        fused = causal_softmax(scores)
+        composite = _composite(scores)
+    assert FUSED_OPS <= _op_types(
+        lambda s: tf.gradients(causal_softmax(s), s, upstream)[0], scores
+    )
+    fused_gradient = tf.cast(tape.gradient(fused, scores, upstream), "float32").numpy()
+    composite_gradient = tf.cast(tape.gradient(composite, scores, upstream), "float32")
+    if dtype == "float32":
+        tolerance = dict(rtol=1e-5, atol=1e-6)
+    else:
+        # The fused gradient reads the rounded probabilities, the composite
+        # one its float32 softmax: both carry one rounding of the output.
+        tolerance = dict(rtol=0.05, atol=2e-2 if dtype == "bfloat16" else 3e-3)
+    np.testing.assert_allclose(fused_gradient, composite_gradient, **tolerance)
+    _, visible = _numpy_causal_softmax(np.zeros(shape))
+    assert np.all(fused_gradient[..., ~visible] == 0.0)
+
+
+def test_gradient_ignores_upstream_values_at_masked_positions():
+    # The composite path's masked probabilities are 0, so their upstream
+    # gradient cannot reach the scores; the fused kernel must agree.
+    scores = tf.constant(np.random.default_rng(3).normal(0, 1, (5, 5)).astype("float32"))
+    upstream = np.ones((5, 5), "float32")
+    _, visible = _numpy_causal_softmax(upstream)
+    noisy = np.where(visible, upstream, 1e6).astype("float32")
+    probabilities = kernels.library().tfgpt_causal_softmax(scores)
+    library = kernels.library()
+    np.testing.assert_array_equal(library.tfgpt_causal_softmax_grad(noisy, probabilities),
+                                  library.tfgpt_causal_softmax_grad(upstream, probabilities))
+
+
+def test_bad_shapes_are_rejected_with_a_reason():
+    library = kernels.library()
+    with pytest.raises((tf.errors.InvalidArgumentError, ValueError), match="S >= T"):
+        library.tfgpt_causal_softmax(tf.ones([5, 4]))
+    with pytest.raises((tf.errors.InvalidArgumentError, ValueError), match="rank"):
+        library.tfgpt_causal_softmax(tf.ones([5]))
+    with pytest.raises((tf.errors.InvalidArgumentError, ValueError), match="same shape|Dimension"):
+        library.tfgpt_causal_softmax_grad(tf.ones([2, 3, 3]), tf.ones([3, 3, 3]))
+    assert library.tfgpt_causal_softmax(tf.ones([4, 0, 3])).shape == (4, 0, 3)
+    for context in (contextlib.nullcontext(), kernels.disabled()):
+        with context:
+            with pytest.raises(ValueError, match=r"S >= T. Received: scores.shape=\(2, 5, 4\)"):
+                causal_softmax(tf.ones([2, 5, 4]))
+            with pytest.raises(ValueError, match=r"rank >= 2 .* Received: scores.shape=\(5,\)"):
+                causal_softmax(tf.ones([5]))
+
+
+def test_causal_bias_constant_and_dynamic_agree():
+    constant = causal_bias(3, 5)
+    dynamic = tf.function(lambda t, s: causal_bias(t, s))(tf.constant(3), tf.constant(5))
+    np.testing.assert_array_equal(constant, dynamic)
+    _, visible = _numpy_causal_softmax(np.zeros((3, 5)))
+    np.testing.assert_array_equal(constant.numpy() == 0.0, visible)
+
+
+def test_xla_disabled_and_environment_take_the_composite_ops(monkeypatch):
+    scores = tf.ones([2, 4, 4])
+    assert "TfgptCausalSoftmax" in _op_types(causal_softmax, scores)
+    assert "TfgptCausalSoftmax" not in _op_types(causal_softmax, scores, jit_compile=True)
+    with kernels.disabled():
+        types = _op_types(causal_softmax, scores)
+    assert "TfgptCausalSoftmax" not in types and "Softmax" in types
+    # An unknown length at trace time builds the bias from the runtime shape.
+    unknown = tf.TensorSpec([None, None, None], "float32")
+    with kernels.disabled():
+        composite = tf.function(causal_softmax).get_concrete_function(unknown)
+    np.testing.assert_allclose(composite(tf.zeros([1, 2, 3])), [[[0.5, 0.5, 0], [1 / 3] * 3]],
+                               rtol=1e-6)
+    monkeypatch.setenv("TFGPT_FUSED_KERNELS", "0")
+    assert "TfgptCausalSoftmax" not in _op_types(causal_softmax, scores)
+
+
+# ---- Inside GPT -------------------------------------------------------------
+
+
+def _gpt(dropout=0.0):
+    from tfgpt import GPT
+
+    keras.utils.set_random_seed(4)
+    return GPT(vocabulary_size=50, num_layers=3, num_heads=2, hidden_dim=16,
+               intermediate_dim=40, max_sequence_length=12, dropout=dropout)
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_gpt_loss_and_gradients_equal_the_composite_path(policy, dropout):
+    from tfgpt.training.train_step import cross_entropy
+
+    keras.config.set_dtype_policy(policy)
+    try:
+        model = _gpt(dropout)
+        rng = np.random.default_rng(5)
+        inputs = tf.constant(rng.integers(0, 50, (2, 11)).astype("int32"))
+        targets = tf.constant(rng.integers(0, 50, (2, 11)).astype("int32"))
+        # Dropout's seed state advances on every call: both paths start from
+        # the same state so that they draw the same masks.
+        seed_states = [v.numpy() for v in model.non_trainable_variables]
+
+        def loss_and_gradients():
+            with tf.GradientTape() as tape:
+                loss = cross_entropy(targets, model(inputs, training=True))
+            return loss, tape.gradient(loss, [v.value for v in model.trainable_variables])
+
+        step = tf.function(loss_and_gradients)
+        fused_loss, fused = step()
+        assert FUSED_OPS <= {op.type for op in step.get_concrete_function().graph.get_operations()}
+        for variable, state in zip(model.non_trainable_variables, seed_states):
+            variable.assign(state)
+        with kernels.disabled():
+            composite_step = tf.function(loss_and_gradients)
+            composite_loss, composite = composite_step()
+        composite_graph = composite_step.get_concrete_function().graph
+        assert not FUSED_OPS & {op.type for op in composite_graph.get_operations()}
+    finally:
+        keras.config.set_dtype_policy("float32")
+    tolerance = dict(rtol=1e-4, atol=1e-6) if policy == "float32" else dict(rtol=0.05, atol=3e-3)
+    np.testing.assert_allclose(fused_loss, composite_loss, **tolerance)
+    for a, b in zip(fused, composite):
+        np.testing.assert_allclose(tf.convert_to_tensor(a), tf.convert_to_tensor(b), **tolerance)
+
+
+def test_cached_generation_and_the_forward_pass_are_unchanged():
+    model = _gpt()
+    for weight in model.weights:  # spread the logits so greedy tokens vary
+        if len(weight.shape) == 2:
+            weight.assign(np.random.default_rng(6).normal(0, 0.5, weight.shape))
+    prompts = [[1, 2, 3], [4, 5]]
+    fused = model.generate(prompts, 6)
+    with kernels.disabled():
+        composite = model.generate(prompts, 6)
+    assert fused == composite
+    # The full forward pass (fused) and the composite one give the same logits.
+    tokens = tf.constant([[1, 2, 3, 4, 5, 6, 7]])
+    with kernels.disabled():
+        reference = model(tokens)
+    np.testing.assert_allclose(model(tokens), reference, rtol=1e-5, atol=1e-5)
