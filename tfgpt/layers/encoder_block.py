@@ -2,6 +2,7 @@
 
 import keras
 
+from tfgpt.layers.activated_dense import ActivatedDense
 from tfgpt.layers.layer_norm import LayerNorm
 from tfgpt.layers.self_attention import SelfAttention
 from tfgpt.layers.transformer_block import _ACTIVATIONS  # One table for both block kinds.
@@ -75,9 +76,9 @@ class EncoderBlock(keras.layers.Layer):
         self.feedforward_norm = LayerNorm(
             epsilon=layer_norm_epsilon, dtype=policy, name="feedforward_norm"
         )
-        self.feedforward_intermediate = keras.layers.Dense(
+        self.feedforward_intermediate = ActivatedDense(
             intermediate_dim,
-            activation=_ACTIVATIONS[activation],
+            activation=activation,
             kernel_initializer=initializer,
             dtype=policy,
             name="feedforward_intermediate",

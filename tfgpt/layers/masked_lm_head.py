@@ -3,6 +3,7 @@
 import keras
 import tensorflow as tf
 
+from tfgpt.layers.activated_dense import ActivatedDense
 from tfgpt.layers.layer_norm import LayerNorm
 from tfgpt.layers.transformer_block import _ACTIVATIONS  # One table of activation names.
 
@@ -50,9 +51,9 @@ class MaskedLMHead(keras.layers.Layer):
         self.activation = activation
         self.layer_norm_epsilon = layer_norm_epsilon
         policy = self.dtype_policy
-        self.transform = keras.layers.Dense(
+        self.transform = ActivatedDense(
             embedding_dim,
-            activation=_ACTIVATIONS[activation],
+            activation=activation,
             kernel_initializer=keras.initializers.RandomNormal(stddev=0.02),
             dtype=policy,
             name="transform",

@@ -3,18 +3,12 @@
 import keras
 import tensorflow as tf
 
-from tfgpt import kernels
+from tfgpt.layers.activated_dense import ACTIVATIONS, ActivatedDense
 from tfgpt.layers.causal_self_attention import CausalSelfAttention
 from tfgpt.layers.layer_norm import LayerNorm
 
-# GELU through tfgpt.kernels: one fused pass forward and backward on CPU,
-# `tf.nn.gelu` (what keras.activations.gelu runs) under XLA or without the
-# built kernels.
-_ACTIVATIONS = {
-    "gelu": lambda x: kernels.gelu(x, approximate=False),
-    "gelu_tanh": lambda x: kernels.gelu(x, approximate=True),
-    "relu": keras.activations.relu,
-}
+# Activation names; ActivatedDense fuses the bias add and GELU on CPU.
+_ACTIVATIONS = ACTIVATIONS
 
 
 @keras.saving.register_keras_serializable(package="tfgpt")
@@ -94,9 +88,9 @@ class TransformerBlock(keras.layers.Layer):
         self.feedforward_norm = LayerNorm(
             epsilon=layer_norm_epsilon, dtype=policy, name="feedforward_norm"
         )
-        self.feedforward_intermediate = keras.layers.Dense(
+        self.feedforward_intermediate = ActivatedDense(
             intermediate_dim,
-            activation=_ACTIVATIONS[activation],
+            activation=activation,
             kernel_initializer=initializer,
             dtype=policy,
             name="feedforward_intermediate",

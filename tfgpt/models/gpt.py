@@ -202,7 +202,13 @@ class GPT(TrackedBlocks, keras.Model):
             embedding = tf.cast(
                 self.embeddings.token_embedding.embeddings, self.compute_dtype
             )  # (V, C)
-            logits = tf.matmul(x, embedding, transpose_b=True)  # (B, T, V)
+            # One 2-D matmul: a (B, T, C) x (V, C)^T batch matmul broadcasts
+            # the table, and its gradient sums B partial (V, C) gradients.
+            batch_size, length = tf.shape(x)[0], tf.shape(x)[1]
+            logits = tf.matmul(
+                tf.reshape(x, [-1, x.shape[-1]]), embedding, transpose_b=True
+            )  # (B*T, V)
+            logits = tf.reshape(logits, [batch_size, length, embedding.shape[0]])  # (B, T, V)
         return tf.cast(logits, "float32")
 
     def generate(
