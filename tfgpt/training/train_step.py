@@ -3,12 +3,13 @@
 import keras
 import tensorflow as tf
 
+from tfgpt import kernels
+
 
 def cross_entropy(targets, logits, weights=None):
     """Mean token cross-entropy in float32, optionally weighted (B, T) or (B, P)."""
-    losses = tf.nn.sparse_softmax_cross_entropy_with_logits(
-        labels=tf.cast(targets, "int32"), logits=tf.cast(logits, "float32")
-    )
+    # tfgpt.kernels: one pass over the logits in their own dtype on CPU.
+    losses = kernels.sparse_cross_entropy(tf.cast(targets, "int32"), logits)
     if weights is None:
         return tf.reduce_mean(losses)
     weights = tf.cast(weights, "float32")
