@@ -2,6 +2,7 @@
 
 import keras
 
+from tfgpt.training.fused_adamw import FusedAdamW
 from tfgpt.training.lamb import LAMB
 from tfgpt.training.schedules import WarmupDecay
 
@@ -38,8 +39,9 @@ def make_optimizer(config, num_workers=1):
         optimizer = LAMB(beta_1=0.9, beta_2=0.999, epsilon=1e-6,
                          exclude_pattern=NO_DECAY_PATTERN, **common)
     else:
-        # GPT-3's AdamW settings (Brown et al. 2020, appendix B).
-        optimizer = keras.optimizers.AdamW(beta_1=0.9, beta_2=0.95, epsilon=1e-8, **common)
+        # GPT-3's AdamW settings (Brown et al. 2020, appendix B). Keras's
+        # AdamW with each variable's update in one fused kernel.
+        optimizer = FusedAdamW(beta_1=0.9, beta_2=0.95, epsilon=1e-8, **common)
         optimizer.exclude_from_weight_decay(var_names=[NO_DECAY_PATTERN])
     if config.mixed_precision == "float16":
         optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
