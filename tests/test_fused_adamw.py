@@ -6,6 +6,7 @@ moments and weights agree with Keras to about 1e-7 relative, not bit for
 bit; the weight decay alone, in a tf.function, agrees bit for bit.
 """
 
+import contextlib
 import copy
 import sys
 
@@ -336,3 +337,93 @@ def test_fit_through_the_horovod_wrapper_equals_keras_adamw(policy):
     np.testing.assert_allclose(fused_loss, keras_loss, rtol=1e-5)
     for a, b in zip(fused, reference):
         np.testing.assert_allclose(a, b, atol=2e-6)
+
+
+def _apply_steps(optimizer, variables, gradients, given_norms=None):
+    @tf.function
+    def apply(step_gradients, norm):
+        if norm is None:
+            optimizer.apply(step_gradients, variables)
+        else:
+            with optimizer.given_gradient_norm(norm):
+                optimizer.apply(step_gradients, variables)
+
+    for index, step_gradients in enumerate(gradients):
+        norm = None if given_norms is None else tf.constant(given_norms[index], tf.float32)
+        apply([tf.constant(g) for g in step_gradients], norm)
+
+
+@pytest.mark.parametrize("overrides", [{}, dict(global_clipnorm=None), dict(weight_decay=0.0)],
+                         ids=["clip-and-decay", "no-clip", "no-decay"])
+def test_one_pass_kernel_is_the_tensorflow_kernels_bit_for_bit(overrides):
+    # Clip scale, decay and Adam step in one TfgptResourceApplyAdamW pass,
+    # against the same optimizer with the kernels off: Keras's clip, then
+    # ResourceApplyGradientDescent and ResourceApplyAdam, three passes.
+    from tfgpt import kernels
+
+    assert kernels.library() is not None, kernels.unavailable_reason()
+    gradients = _gradients(scale=3.0)  # norms above the clip of 1
+    results = []
+    for off in (False, True):
+        variables = _variables()
+        optimizer = _optimizer(FusedAdamW, **overrides)
+        optimizer.build(variables)
+        with kernels.disabled() if off else contextlib.nullcontext():
+            _apply_steps(optimizer, variables, gradients)
+            graph = tf.function(lambda g: optimizer.apply(g, variables)).get_concrete_function(
+                [tf.TensorSpec(g.shape) for g in gradients[0]]).graph
+        types = {op.type for op in graph.get_operations()}
+        assert ("TfgptResourceApplyAdamW" in types) == (not off)
+        assert ("ResourceApplyAdam" in types) == off
+        results.append([v.numpy() for v in variables + optimizer.variables])
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(a, b)
+    # And both are AdamW: equal to Keras's to the rounding of `1 - beta`.
+    _, reference = _run(keras.optimizers.AdamW, gradients, **overrides)
+    for a, b in zip(results[0], [v.numpy() for v in reference]):
+        _assert_close(a, b, "keras")
+
+
+def test_given_gradient_norm_replaces_the_computed_one():
+    # Told norms of 1-8x the true ones (a different factor each step, which
+    # Adam's scale invariance does not cancel), the clip scales by those:
+    # Keras's AdamW, unclipped, on gradients scaled by min(1, clip / given).
+    gradients = _gradients(scale=3.0)
+    factors = [1.0, 4.0, 1.0, 8.0, 2.0]
+    norms = [f * np.sqrt(sum((g.astype("float64") ** 2).sum() for g in step))
+             for f, step in zip(factors, gradients)]
+    variables = _variables()
+    optimizer = _optimizer(FusedAdamW)
+    optimizer.build(variables)
+    _apply_steps(optimizer, variables, gradients, given_norms=norms)
+    clipped = [[g * np.float32(min(1.0, 1.0 / norm)) for g in step]
+               for step, norm in zip(gradients, norms)]
+    _, reference = _run(keras.optimizers.AdamW, clipped, global_clipnorm=None)
+    for a, b in zip(variables, reference):
+        _assert_close(a.numpy(), b.numpy(), a.path)
+    # Without it, the optimizer computes the norm itself.
+    _, plain = _run(FusedAdamW, gradients)
+    assert not np.allclose(plain[0].numpy(), variables[0].numpy(), rtol=1e-4)
+
+
+def test_one_pass_kernel_rejects_bad_inputs():
+    from tfgpt import kernels
+
+    apply = kernels.library().tfgpt_resource_apply_adam_w
+    w, m, v = (tf.Variable(tf.zeros((3, 2))) for _ in range(3))
+    scalars = dict(lr=1e-3, beta1=0.9, beta2=0.95, epsilon=1e-8, beta1_power=0.9,
+                   beta2_power=0.95, decay=0.0, grad_scale=1.0)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="grad has shape"):
+        apply(var=w.handle, m=m.handle, v=v.handle, grad=tf.zeros((2, 3)), **scalars)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="three different variables"):
+        apply(var=w.handle, m=w.handle, v=v.handle, grad=tf.zeros((3, 2)), **scalars)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="must be a scalar"):
+        apply(var=w.handle, m=m.handle, v=v.handle, grad=tf.zeros((3, 2)),
+              **{**scalars, "lr": [1e-3, 1e-3]})
+    # A value read before the update keeps what it read (the variable is
+    # copied, not written under the reader).
+    w.assign(tf.ones((3, 2)))
+    before = w.read_value()
+    apply(var=w.handle, m=m.handle, v=v.handle, grad=tf.ones((3, 2)), **scalars)
+    np.testing.assert_array_equal(before.numpy(), np.ones((3, 2)))
+    assert not np.array_equal(w.numpy(), np.ones((3, 2)))

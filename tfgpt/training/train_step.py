@@ -1,5 +1,7 @@
 """The compiled training and evaluation steps shared by every front end."""
 
+import contextlib
+
 import keras
 import tensorflow as tf
 
@@ -154,7 +156,13 @@ class TrainStep:
         loss_scale = _loss_scale(self.optimizer)
         if loss_scale is not None:
             gradient_norm = gradient_norm / tf.cast(loss_scale, gradient_norm.dtype)
-        self.optimizer.apply(gradients, self.variables)
+            self.optimizer.apply(gradients, self.variables)
+            return gradient_norm
+        # An optimizer that clips by the global norm (FusedAdamW) takes this
+        # one instead of computing it again: one pass over the gradients less.
+        given_norm = getattr(self.optimizer, "given_gradient_norm", None)
+        with given_norm(gradient_norm) if given_norm else contextlib.nullcontext():
+            self.optimizer.apply(gradients, self.variables)
         return gradient_norm
 
     def _replica_step(self, batch):
