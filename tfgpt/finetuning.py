@@ -775,6 +775,7 @@ def finetune(config, distribution, model_overrides=None):
 
     from tfgpt.training.checkpointing import Checkpointer, read_config, write_json_atomically
     from tfgpt.training.optimizers import make_optimizer
+    from tfgpt.training.precision import slow_precision_warning
     from tfgpt.training.reporter import Reporter
     from tfgpt.training.train_step import TrainStep
     from tfgpt.training.trainer import TrainingDiverged
@@ -856,6 +857,9 @@ def finetune(config, distribution, model_overrides=None):
         f"global batch {global_batch}, {steps} steps"
         + (f", labels {labels}" if labels else "")
     )
+    warning = slow_precision_warning(config.mixed_precision)
+    if warning:
+        report.info(f"warning: {warning}")
     report.info(f"model: {model.count_params():,} parameters {model_config}")
     train_step = TrainStep(
         model,

@@ -21,6 +21,7 @@ from tfgpt.training import flops, tasks
 from tfgpt.training.checkpointing import Checkpointer, read_config
 from tfgpt.layers.transformer_block import set_recompute
 from tfgpt.training.optimizers import make_optimizer
+from tfgpt.training.precision import slow_precision_warning
 from tfgpt.training.profiling import StepProfiler
 from tfgpt.training.reporter import Reporter
 from tfgpt.training.train_step import EvalStep, TrainStep
@@ -196,6 +197,9 @@ def train(train_config, model_overrides, distribution):
         f"{train_config.accumulation_steps} accumulated), {train_config.steps} steps, "
         f"precision {train_config.mixed_precision}, xla {train_config.xla}"
     )
+    warning = slow_precision_warning(train_config.mixed_precision)
+    if warning:
+        report.info(f"warning: {warning}")
 
     # Model: identical initial weights everywhere (seeded, then broadcast).
     keras.utils.set_random_seed(train_config.seed)
