@@ -11,8 +11,19 @@ with a fixed `--peak-flops` (no time spent measuring a peak); T is the
 median of the global tokens/s the trainer logs in metrics.jsonl, without
 its first timed window. The configurations alternate within each round.
 
+`--kinds independent` runs two one-worker `train_hvd.py` jobs side by side,
+with no communication between them, against one alone: the ceiling that
+sharing the machine (caches, memory bandwidth, clock) leaves for any
+data-parallel run, before a byte is exchanged.
+
+`--baseline CHECKOUT` also runs the same trainers from another checkout (a
+`git worktree` of the commit before a change), alternating with this
+one's within each round, so both see the same machine.
+
 Usage:
     python -m bench.scaling --steps 30 --rounds 1
+    git worktree add --detach ../before HEAD~1
+    python -m bench.scaling --kinds horovod --rounds 3 --baseline ../before
 """
 
 import argparse
@@ -42,8 +53,8 @@ def ensure_data(directory, sequence_length=256, vocabulary_size=2000):
     return directory
 
 
-def _environment(**extra):
-    return dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=REPO, **extra)
+def _environment(repo=REPO, **extra):
+    return dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=repo, **extra)
 
 
 def _free_ports(count):
@@ -63,10 +74,10 @@ def trainer_flags(data, out, preset, steps, batch_size, log_every, extra=()):
             "--warmup-steps", "0", *extra]
 
 
-def _run(commands, timeout):
+def _run(commands, timeout, repo=REPO):
     """Runs the commands at once (the workers of one job); raises on failure."""
     processes = [
-        subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
+        subprocess.Popen(command, cwd=repo, env=env, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, start_new_session=True)
         for command, env in commands
     ]
@@ -94,46 +105,75 @@ def tokens_per_second(out):
     return _median(rates), len(rates)
 
 
-def run_job(kind, workers, data, work, preset, steps, batch_size, log_every, extra, timeout=1200):
-    """Runs one trainer job; returns its global tokens/s."""
-    out = os.path.join(work, f"{kind}-{workers}")
+def run_job(kind, workers, data, work, preset, steps, batch_size, log_every, extra, timeout=1200,
+            repo=REPO, label=""):
+    """Runs one trainer job from the checkout `repo`; returns its global tokens/s."""
+    out = os.path.join(work, f"{kind}-{workers}{label}")
     shutil.rmtree(out, ignore_errors=True)
     flags = trainer_flags(data, out, preset, steps, batch_size, log_every, extra)
-    if kind == "horovod":
-        script = [sys.executable, os.path.join(REPO, "train_hvd.py"), *flags]
+    if kind == "independent" and workers > 1:
+        # The ceiling: the same single-worker jobs side by side, no communication.
+        script = [sys.executable, os.path.join(repo, "train_hvd.py")]
+        outs = [os.path.join(out, str(index)) for index in range(workers)]
+        _run([([*script, *trainer_flags(data, each, preset, steps, batch_size, log_every,
+                                         extra)], _environment(repo)) for each in outs],
+             timeout, repo)
+        rates = [tokens_per_second(each) for each in outs]
+        return sum(rate for rate, _ in rates), min(windows for _, windows in rates)
+    if kind in ("horovod", "independent"):
+        script = [sys.executable, os.path.join(repo, "train_hvd.py"), *flags]
         if workers > 1:
             script = [HOROVODRUN, "-np", str(workers), "--gloo", "-H", f"localhost:{workers}", *script]
-        _run([(script, _environment())], timeout)
+        _run([(script, _environment(repo))], timeout, repo)
     else:
-        script = [sys.executable, os.path.join(REPO, "train_mirrored.py")]
+        script = [sys.executable, os.path.join(repo, "train_mirrored.py")]
         if workers == 1:
-            _run([([*script, "--strategy", "default", *flags], _environment())], timeout)
+            _run([([*script, "--strategy", "default", *flags], _environment(repo))], timeout, repo)
         else:
             cluster = {"worker": [f"localhost:{port}" for port in _free_ports(workers)]}
             _run([
-                ([*script, "--strategy", "multi-worker", *flags], _environment(TF_CONFIG=json.dumps(
-                    {"cluster": cluster, "task": {"type": "worker", "index": index}})))
+                ([*script, "--strategy", "multi-worker", *flags], _environment(
+                    repo, TF_CONFIG=json.dumps(
+                        {"cluster": cluster, "task": {"type": "worker", "index": index}})))
                 for index in range(workers)
-            ], timeout)
+            ], timeout, repo)
     rate, windows = tokens_per_second(out)
     return rate, windows
 
 
+def _load_average():
+    try:
+        with open("/proc/loadavg") as file:
+            return float(file.read().split()[0])
+    except OSError:  # not Linux
+        return float("nan")
+
+
 def measure(data, work, preset="gpt-mini", steps=30, batch_size=8, log_every=5, rounds=1,
-            kinds=("horovod", "multi-worker"), extra=(), log=print):
-    """Interleaved 1- and 2-worker runs per kind; returns the figures."""
-    rates = {(kind, workers): [] for kind in kinds for workers in (1, 2)}
+            kinds=("horovod", "multi-worker"), extra=(), log=print, baseline=None):
+    """Interleaved 1- and 2-worker runs per kind (and checkout); returns the figures.
+
+    With `baseline` (a checkout directory), every kind also runs from
+    there, reported as "KIND @baseline"; the two checkouts alternate.
+    """
+    sources = [("", REPO)] + ([(" @baseline", os.path.abspath(baseline))] if baseline else [])
+    names = [kind + label for kind in kinds for label, _ in sources]
+    rates = {(name, workers): [] for name in names for workers in (1, 2)}
+    load_averages = []
     for index in range(rounds):
         for kind in kinds:
-            for workers in (1, 2) if index % 2 == 0 else (2, 1):
-                start = time.perf_counter()
-                rate, windows = run_job(kind, workers, data, work, preset, steps, batch_size,
-                                        log_every, extra)
-                rates[kind, workers].append(rate)
-                log(f"  {kind} x{workers}: {rate:.0f} tokens/s ({windows} windows, "
-                    f"{time.perf_counter() - start:.0f} s)")
+            for label, repo in sources if index % 2 == 0 else sources[::-1]:
+                for workers in (1, 2) if index % 2 == 0 else (2, 1):
+                    start, load = time.perf_counter(), _load_average()
+                    load_averages.append(load)
+                    rate, windows = run_job(kind, workers, data, work, preset, steps, batch_size,
+                                            log_every, extra, repo=repo,
+                                            label=label.replace(" @", "-"))
+                    rates[kind + label, workers].append(rate)
+                    log(f"  {kind}{label} x{workers}: {rate:.0f} tokens/s ({windows} windows, "
+                        f"{time.perf_counter() - start:.0f} s, load average {load:.2f} before)")
     results = {}
-    for kind in kinds:
+    for kind in names:
         one, two = rates[kind, 1], rates[kind, 2]
         efficiencies = [t2 / (2 * t1) for t1, t2 in zip(one, two)]
         results[kind] = {
@@ -144,7 +184,18 @@ def measure(data, work, preset="gpt-mini", steps=30, batch_size=8, log_every=5, 
         }
     return {"preset": preset, "batch_size_per_worker": batch_size, "steps": steps,
             "log_every": log_every, "threads_per_worker": 1, "extra_flags": list(extra),
+            "baseline": baseline, "load_average_1_min_before_runs": load_averages,
             "results": results}
+
+
+def _warn_if_kernels_differ(baseline):
+    library = os.path.join("tfgpt", "kernels", "_tfgpt_kernels.so")
+    built = [os.path.exists(os.path.join(repo, library)) for repo in (REPO, baseline)]
+    uses_kernels = os.path.isdir(os.path.join(baseline, "tfgpt", "kernels"))
+    if uses_kernels and built[0] != built[1]:
+        where = baseline if built[0] else REPO
+        print(f"warning: {where} has no {library} and falls back to TensorFlow's ops "
+              "(run `python -m tfgpt.kernels.build` there)", file=sys.stderr)
 
 
 def main(argv=None):
@@ -157,10 +208,16 @@ def main(argv=None):
     parser.add_argument("--kinds", nargs="+", default=["horovod", "multi-worker"])
     parser.add_argument("--work", default=os.path.join(REPO, "bench", "results", "work"))
     parser.add_argument("--out", default=os.path.join(REPO, "bench", "results"))
+    parser.add_argument("--baseline", help="also run the trainers from this checkout (a "
+                        "directory, e.g. a `git worktree` of the commit before a change); build "
+                        "its fused kernels there too (`python -m tfgpt.kernels.build`) or both "
+                        "sides do not compute alike")
     args, extra = parser.parse_known_args(argv)
     data = ensure_data(os.path.join(args.work, "data-256"))
+    if args.baseline:
+        _warn_if_kernels_differ(args.baseline)
     figures = measure(data, args.work, args.preset, args.steps, args.batch_size, args.log_every,
-                      args.rounds, args.kinds, extra)
+                      args.rounds, args.kinds, extra, baseline=args.baseline)
     for kind, result in figures["results"].items():
         rounds = ", ".join(f"{e:.2f}" for e in result["efficiency_per_round"])
         print(f"{kind}: scaling efficiency {result['efficiency']:.2f} (rounds: {rounds})")

@@ -1,9 +1,11 @@
 """Real multi-process runs: different data per rank, identical weights after."""
 
+import sys
+
 import numpy as np
 import pytest
 
-from tests.launch import REPO, horovodrun
+from tests.launch import REPO, horovodrun, run
 
 pytestmark = pytest.mark.distributed
 
@@ -22,8 +24,26 @@ def test_horovod_train_step_averages_gradients_and_keeps_ranks_equal(tmp_path, x
         # The allreduce returns their NumPy mean on every rank ...
         for rank in ranks:
             np.testing.assert_allclose(rank[f"averaged_{index}"], (first + second) / 2, atol=1e-6)
+            # One allreduce per gradient sums exactly what one grouped allreduce does.
+            np.testing.assert_array_equal(rank[f"graph_averaged_{index}"],
+                                          rank[f"grouped_averaged_{index}"])
         # ... broadcast made the start equal and averaging kept it equal.
         np.testing.assert_array_equal(ranks[0][f"initial_{index}"], ranks[1][f"initial_{index}"])
         np.testing.assert_array_equal(ranks[0][f"final_{index}"], ranks[1][f"final_{index}"])
     assert not np.array_equal(ranks[0]["final_0"], ranks[0]["initial_0"])
     assert not np.array_equal(ranks[0]["losses"], ranks[1]["losses"])
+
+
+_PRINT_CYCLE_TIME = (
+    "import os; from tfgpt.distributed.horovod_bridge import HorovodDistribution; "
+    "HorovodDistribution(); print('cycle', os.environ['HOROVOD_CYCLE_TIME'])"
+)
+
+
+@pytest.mark.parametrize("given, expected", [(None, "10"), ("3", "3")])
+def test_horovod_cycle_time_defaults_to_10_ms_unless_set(given, expected, monkeypatch):
+    monkeypatch.delenv("HOROVOD_CYCLE_TIME", raising=False)
+    env = {"HOROVOD_CYCLE_TIME": given} if given else {}
+    code, output = run([sys.executable, "-c", _PRINT_CYCLE_TIME], env=env)
+    assert code == 0, output
+    assert f"cycle {expected}" in output.splitlines()

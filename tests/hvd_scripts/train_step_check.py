@@ -7,6 +7,7 @@ NumPy. Usage: train_step_check.py OUT [--xla]
 
 import sys
 
+import horovod.tensorflow as hvd
 import keras
 import numpy as np
 import tensorflow as tf
@@ -38,6 +39,12 @@ def main(out, xla):
                        for g in tape.gradient(loss, model.trainable_variables)]
     averaged = [g.numpy() for g in distribution.allreduce_gradients(
         [tf.constant(g) for g in local_gradients])]
+    # In a graph, as TrainStep runs it (one allreduce per gradient), against
+    # Horovod's one grouped allreduce of the same gradients.
+    constants = [tf.constant(g) for g in local_gradients]
+    per_gradient = tf.function(distribution.allreduce_gradients)(constants)
+    grouped = tf.function(lambda gradients: hvd.grouped_allreduce(gradients, op=hvd.Average))(
+        constants)
 
     step = TrainStep(model, optimizer, distribution, xla=xla)
     losses = [float(step(x, y)["loss"]) for x, y in batches]
@@ -47,6 +54,8 @@ def main(out, xla):
         **{f"initial_{i}": v for i, v in enumerate(initial)},
         **{f"local_{i}": g for i, g in enumerate(local_gradients)},
         **{f"averaged_{i}": g for i, g in enumerate(averaged)},
+        **{f"graph_averaged_{i}": g.numpy() for i, g in enumerate(per_gradient)},
+        **{f"grouped_averaged_{i}": g.numpy() for i, g in enumerate(grouped)},
         **{f"final_{i}": v.numpy() for i, v in enumerate(model.trainable_variables)},
     )
 

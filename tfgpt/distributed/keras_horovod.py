@@ -119,8 +119,8 @@ _XLA_MESSAGE = (
 def dense_gradient(gradient):
     """Converts an `IndexedSlices` gradient (embedding lookups) to a tensor.
 
-    A grouped allreduce takes dense tensors; for the vocabularies here the
-    dense form also costs less than Horovod's allgather of slices.
+    Horovod fuses dense allreduces into one transfer; for the vocabularies
+    here the dense form also costs less than Horovod's allgather of slices.
     """
     if isinstance(gradient, tf.IndexedSlices):
         return tf.convert_to_tensor(gradient)

@@ -25,9 +25,9 @@ def causal_lm_loss(model, batch, training):
 
 
 def _dense(gradient):
-    # Embedding lookups give IndexedSlices; a dense tensor allreduces in one
-    # fused call, and for vocabularies of this size the dense form is
-    # cheaper than Horovod's allgather of slices.
+    # Embedding lookups give IndexedSlices; a dense tensor is averaged by an
+    # allreduce that Horovod fuses with the others, and for vocabularies of
+    # this size the dense form is cheaper than Horovod's allgather of slices.
     return tf.convert_to_tensor(gradient) if isinstance(gradient, tf.IndexedSlices) else gradient
 
 
@@ -76,8 +76,8 @@ class TrainStep:
 
     With `accumulation_steps=K`, every leaf of a batch carries a leading
     axis of K micro-batches; their gradients are averaged locally before
-    the single allreduce and update, so the update equals that of one batch
-    K times larger.
+    they are averaged across workers and applied once, so the update equals
+    that of one batch K times larger.
 
     Args:
         model: keras.Model.
