@@ -137,13 +137,17 @@ def test_build_is_a_no_op_when_current_and_stale_after_a_source_change(tmp_path,
     messages = []
     assert kernel_build.build(log=messages.append) == kernel_build.LIBRARY
     assert messages == [f"[kernels] up to date: {kernel_build.LIBRARY}"]
-    # A copy of the sources with one byte more no longer matches the stamp.
-    copy = tmp_path / "cc"
-    shutil.copytree(kernel_build.SOURCE_DIR, copy)
-    with open(copy / "gelu.cc", "a") as file:
-        file.write("\n")
-    monkeypatch.setattr(kernel_build, "SOURCE_DIR", str(copy))
-    assert not kernel_build.is_current(tf.__version__, flags)
+    # A copy of the sources with one byte more, in a source or in the
+    # header they share, no longer matches the stamp.
+    original = kernel_build.SOURCE_DIR
+    for changed in ("gelu.cc", "common.h"):
+        copy = tmp_path / changed / "cc"
+        shutil.copytree(original, copy)
+        monkeypatch.setattr(kernel_build, "SOURCE_DIR", str(copy))
+        assert kernel_build.is_current(tf.__version__, flags)
+        with open(copy / changed, "a") as file:
+            file.write("\n")
+        assert not kernel_build.is_current(tf.__version__, flags)
     assert not kernel_build.is_current("0.0.0", flags)
 
 

@@ -6,7 +6,7 @@ Usage:
 Every `tfgpt/kernels/cc/*.cc` is compiled with the flags TensorFlow
 reports (`tf.sysconfig`) and linked into `tfgpt/kernels/_tfgpt_kernels.so`,
 next to a stamp (`_tfgpt_kernels.json`) that records what it was built
-from: the sources' sha256, the TensorFlow version and the instruction-set
+from: the sha256 of the sources and of the headers they share (`cc/*.h`), the TensorFlow version and the instruction-set
 flags. `make setup` runs this; a second run with nothing changed is a
 no-op. `tfgpt.kernels` loads the library only while the stamp matches, and
 otherwise falls back to TensorFlow's own (slower) ops with a warning.
@@ -80,10 +80,19 @@ def required_features(flags):
     return sorted(feature for feature, flag in _X86_FEATURES.items() if flag in flags)
 
 
+def headers():
+    """The headers the sources include (`cc/*.h`), sorted by name."""
+    if not os.path.isdir(SOURCE_DIR):
+        return []
+    return sorted(
+        os.path.join(SOURCE_DIR, name) for name in os.listdir(SOURCE_DIR) if name.endswith(".h")
+    )
+
+
 def fingerprint(tf_version, flags):
     """What a built library must match to be loaded: sources, TF, flags."""
     digest = hashlib.sha256()
-    for path in sources():
+    for path in sources() + headers():
         digest.update(os.path.basename(path).encode())
         with open(path, "rb") as file:
             digest.update(file.read())

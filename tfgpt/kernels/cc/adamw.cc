@@ -25,32 +25,22 @@
 // (taken in address order), and copied first if another tensor still shares
 // their buffer, as TensorFlow's own training ops do.
 
-#define EIGEN_USE_THREADS
+#include "common.h"
 
 #include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdint>
 
-#include "tensorflow/core/framework/op.h"
-#include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/resource_mgr.h"
 #include "tensorflow/core/framework/resource_var.h"
-#include "tensorflow/core/framework/shape_inference.h"
-#include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/platform/threadpool.h"
 
 #pragma GCC optimize("fp-contract=off")
 
 namespace tfgpt {
 
-using ::tensorflow::DEVICE_CPU;
-using ::tensorflow::OpKernel;
-using ::tensorflow::OpKernelConstruction;
-using ::tensorflow::OpKernelContext;
-using ::tensorflow::Tensor;
 using ::tensorflow::Var;
-using ::tensorflow::errors::InvalidArgument;
 
 REGISTER_OP("TfgptResourceApplyAdamW")
     .Input("var: resource")

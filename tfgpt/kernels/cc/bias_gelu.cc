@@ -9,28 +9,17 @@
 // thread pool scheduled the blocks. Math in float32 whatever the storage
 // type; the GELU formulas are those of gelu.cc.
 
-#define EIGEN_USE_THREADS
+#include "common.h"
 
 #include <algorithm>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "tensorflow/core/framework/op.h"
-#include "tensorflow/core/framework/op_kernel.h"
-#include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/util/work_sharder.h"
-#include "unsupported/Eigen/CXX11/Tensor"
 
 namespace tfgpt {
 namespace {
 
-using ::tensorflow::DEVICE_CPU;
-using ::tensorflow::OpKernel;
-using ::tensorflow::OpKernelConstruction;
-using ::tensorflow::OpKernelContext;
-using ::tensorflow::Tensor;
-using ::tensorflow::TensorShape;
-using ::tensorflow::shape_inference::InferenceContext;
 using Row = Eigen::Array<float, Eigen::Dynamic, 1>;
 
 constexpr float kSqrt2OverPi = 0.7978845608028654f;

@@ -17,7 +17,7 @@
 // S < T would leave the first T - S rows with nothing to attend to; the ops
 // reject it instead of inventing a distribution.
 
-#define EIGEN_USE_THREADS
+#include "common.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -25,22 +25,9 @@
 #include <type_traits>
 #include <vector>
 
-#include "tensorflow/core/framework/op.h"
-#include "tensorflow/core/framework/op_kernel.h"
-#include "tensorflow/core/framework/shape_inference.h"
-#include "unsupported/Eigen/CXX11/Tensor"
-
 namespace tfgpt {
 
-using ::tensorflow::DEVICE_CPU;
-using ::tensorflow::OpKernel;
-using ::tensorflow::OpKernelConstruction;
-using ::tensorflow::OpKernelContext;
 using ::tensorflow::Status;
-using ::tensorflow::Tensor;
-using ::tensorflow::TensorShape;
-using ::tensorflow::shape_inference::InferenceContext;
-using ::tensorflow::shape_inference::ShapeHandle;
 
 using FloatRow = Eigen::Map<Eigen::ArrayXf>;
 template <typename T>

@@ -7,27 +7,16 @@
 // computed in float32, and the gradient (softmax - one_hot) is written in
 // the logits' dtype, as TensorFlow's op does, for the backward pass.
 
-#define EIGEN_USE_THREADS
+#include "common.h"
 
 #include <cmath>
 #include <limits>
 
 #include "absl/strings/str_cat.h"
-#include "tensorflow/core/framework/op.h"
-#include "tensorflow/core/framework/op_kernel.h"
-#include "tensorflow/core/framework/shape_inference.h"
-#include "unsupported/Eigen/CXX11/Tensor"
 
 namespace tfgpt {
 namespace {
 
-using ::tensorflow::DEVICE_CPU;
-using ::tensorflow::OpKernel;
-using ::tensorflow::OpKernelConstruction;
-using ::tensorflow::OpKernelContext;
-using ::tensorflow::Tensor;
-using ::tensorflow::TensorShape;
-using ::tensorflow::shape_inference::InferenceContext;
 using Row = Eigen::Array<float, Eigen::Dynamic, 1>;
 
 REGISTER_OP("TfgptSparseCrossEntropy")

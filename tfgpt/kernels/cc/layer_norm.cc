@@ -24,7 +24,7 @@
 // order into its own buffer; the blocks are then added in block order. The
 // result is the same bit for bit whatever the threads' scheduling.
 
-#define EIGEN_USE_THREADS
+#include "common.h"
 
 #include <algorithm>
 #include <cmath>
@@ -36,24 +36,9 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "tensorflow/core/framework/op.h"
-#include "tensorflow/core/framework/op_kernel.h"
-#include "tensorflow/core/framework/shape_inference.h"
-#include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/platform/threadpool.h"
-#include "unsupported/Eigen/CXX11/Tensor"
 
 namespace tfgpt {
-
-using ::tensorflow::DEVICE_CPU;
-using ::tensorflow::OpKernel;
-using ::tensorflow::OpKernelConstruction;
-using ::tensorflow::OpKernelContext;
-using ::tensorflow::Tensor;
-using ::tensorflow::TensorShape;
-using ::tensorflow::shape_inference::DimensionHandle;
-using ::tensorflow::shape_inference::InferenceContext;
-using ::tensorflow::shape_inference::ShapeHandle;
 
 namespace {
 
