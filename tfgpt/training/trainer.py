@@ -320,6 +320,10 @@ def train(train_config, model_overrides, distribution):
             distribution.allreduce_mean(tf.constant(0.0))  # barrier
         path = checkpointer.save(at_step)
         if int(os.environ.get(_KILL_AFTER_SAVE, "-1")) == at_step:
+            # Fault injection (tests): every worker dies once the chief's
+            # checkpoint is on disk. Without the barrier a non-chief rank
+            # could die first, and horovodrun would stop the chief mid-write.
+            distribution.allreduce_mean(tf.constant(0.0))
             os.kill(os.getpid(), signal.SIGKILL)
         return path
 
