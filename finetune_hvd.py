@@ -25,7 +25,8 @@ def main(argv=None):
 
     # Horovod: one process per device; rank 0 logs and writes checkpoints.
     distribution = HorovodDistribution(
-        compression="fp16" if config.fp16_allreduce else "none"
+        compression="fp16" if config.fp16_allreduce else "none",
+        bucket_mb=config.allreduce_bucket_mb,
     )
     # Horovod: one GPU per local rank, or the CPU cores split between ranks.
     distribution.configure_devices(config.intra_op_threads)

@@ -10,6 +10,7 @@
 
 import sys
 
+from tfgpt.config import ALLREDUCE_BUCKET_MB
 from tfgpt.finetuning import finetune, parse_flags
 from tfgpt.training.trainer import TrainingDiverged
 
@@ -32,6 +33,9 @@ def main(argv=None):
     )
     if config.fp16_allreduce:
         print("error: --fp16-allreduce is a Horovod option (finetune_hvd.py)", file=sys.stderr)
+        return 2
+    if config.allreduce_bucket_mb != ALLREDUCE_BUCKET_MB:
+        print("error: --allreduce-bucket-mb is a Horovod option (finetune_hvd.py)", file=sys.stderr)
         return 2
 
     # Devices.

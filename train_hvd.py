@@ -23,7 +23,8 @@ def main(argv=None):
 
     # Horovod: one process per device; rank 0 logs and writes checkpoints.
     distribution = HorovodDistribution(
-        compression="fp16" if train_config.fp16_allreduce else "none"
+        compression="fp16" if train_config.fp16_allreduce else "none",
+        bucket_mb=train_config.allreduce_bucket_mb,
     )
     # Horovod: one GPU per local rank, or the CPU cores split between ranks.
     distribution.configure_devices(train_config.intra_op_threads)

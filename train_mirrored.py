@@ -9,6 +9,7 @@
 
 import sys
 
+from tfgpt.config import ALLREDUCE_BUCKET_MB
 from tfgpt.training.flags import parse_flags
 from tfgpt.training.trainer import TrainingDiverged, train
 
@@ -31,6 +32,9 @@ def main(argv=None):
     )
     if train_config.fp16_allreduce:
         print("error: --fp16-allreduce is a Horovod option (train_hvd.py)", file=sys.stderr)
+        return 2
+    if train_config.allreduce_bucket_mb != ALLREDUCE_BUCKET_MB:
+        print("error: --allreduce-bucket-mb is a Horovod option (train_hvd.py)", file=sys.stderr)
         return 2
 
     # Devices.

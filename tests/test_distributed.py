@@ -24,8 +24,11 @@ def test_horovod_train_step_averages_gradients_and_keeps_ranks_equal(tmp_path, x
         # The allreduce returns their NumPy mean on every rank ...
         for rank in ranks:
             np.testing.assert_allclose(rank[f"averaged_{index}"], (first + second) / 2, atol=1e-6)
-            # One allreduce per gradient sums exactly what one grouped allreduce does.
+            # One allreduce per gradient, or per bucket, sums exactly what
+            # one grouped allreduce of every gradient does.
             np.testing.assert_array_equal(rank[f"graph_averaged_{index}"],
+                                          rank[f"grouped_averaged_{index}"])
+            np.testing.assert_array_equal(rank[f"bucketed_averaged_{index}"],
                                           rank[f"grouped_averaged_{index}"])
         # ... broadcast made the start equal and averaging kept it equal.
         np.testing.assert_array_equal(ranks[0][f"initial_{index}"], ranks[1][f"initial_{index}"])

@@ -131,7 +131,8 @@ def test_mirrored_sigkill_and_resume_equals_an_uninterrupted_run(one_file_data, 
     assert _train_losses(tmp_path / "killed")[6] == _train_losses(tmp_path / "straight")[6]
 
 
-def test_fp16_allreduce_is_refused_by_the_mirrored_front_end(one_file_data, tmp_path):
-    code, output = run([sys.executable, REPO / "train_mirrored.py", "--fp16-allreduce",
+@pytest.mark.parametrize("flag", [["--fp16-allreduce"], ["--allreduce-bucket-mb", "0"]])
+def test_horovod_options_are_refused_by_the_mirrored_front_end(one_file_data, tmp_path, flag):
+    code, output = run([sys.executable, REPO / "train_mirrored.py", *flag,
                         *_flags(one_file_data, tmp_path / "run", 4)])
-    assert code == 2 and "Horovod option" in output
+    assert code == 2 and f"{flag[0]} is a Horovod option" in output

@@ -37,6 +37,7 @@ def test_flags_apply_preset_then_overrides():
         (["--data", "d", "--hidden-dim", "10", "--num-heads", "4"], "hidden_dim=10, num_heads=4"),
         (["--data", "d", "--mixed-precision", "fp8"], "mixed_precision='fp8'"),
         (["--data", "d", "--batch-size", "0"], "batch_size=0"),
+        (["--data", "d", "--allreduce-bucket-mb", "-1"], "allreduce_bucket_mb=-1.0"),
         ([], "`data` is required"),
     ],
 )

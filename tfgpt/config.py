@@ -11,6 +11,10 @@ import typing
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu")
 
+# Horovod: megabytes of gradients per grouped allreduce (the trainers'
+# --allreduce-bucket-mb default; see tfgpt.distributed.horovod_bridge).
+ALLREDUCE_BUCKET_MB = 3.0
+
 
 @dataclasses.dataclass
 class GPTConfig:
@@ -239,6 +243,9 @@ class TrainConfig:
             measures a chain of 2048x2048 matmuls in the training dtype at
             start-up.
         fp16_allreduce: bool. Horovod only: send gradients as float16.
+        allreduce_bucket_mb: float. Horovod only: megabytes of gradients
+            per grouped allreduce, cut in backward order; 0 sends each
+            gradient on its own.
         recompute: bool. Keep only each transformer block's input for the
             backward pass and recompute the rest there (`tf.recompute_grad`):
             less activation memory for about a third more compute, same
@@ -279,6 +286,7 @@ class TrainConfig:
     intra_op_threads: int = 0
     peak_flops: float = 0.0
     fp16_allreduce: bool = False
+    allreduce_bucket_mb: float = ALLREDUCE_BUCKET_MB
     recompute: bool = False
     profile_steps: str = ""
 
@@ -315,7 +323,8 @@ class TrainConfig:
             )
         if self.task not in TASKS:
             raise ValueError(f"`task` must be one of {TASKS}. Received: task={self.task!r}")
-        for name in ("weight_decay", "gradient_clip_norm", "final_learning_rate_ratio", "peak_flops"):
+        for name in ("weight_decay", "gradient_clip_norm", "final_learning_rate_ratio", "peak_flops",
+                     "allreduce_bucket_mb"):
             if getattr(self, name) < 0:
                 raise ValueError(
                     f"`{name}` must be non-negative. Received: {name}={getattr(self, name)!r}"

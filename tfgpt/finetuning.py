@@ -49,6 +49,7 @@ import time
 import numpy as np
 
 from tfgpt.config import (
+    ALLREDUCE_BUCKET_MB,
     ALBERT_PRESETS,
     BERT_PRESETS,
     MIXED_PRECISION,
@@ -140,6 +141,8 @@ class FinetuneConfig:
         intra_op_threads: int. Threads per worker for one op; 0 divides the
             machine's cores among the workers on it.
         fp16_allreduce: bool. Horovod only: send gradients as float16.
+        allreduce_bucket_mb: float. Horovod only: megabytes of gradients
+            per grouped allreduce; 0 sends each gradient on its own.
     """
 
     task: str = "classification"
@@ -179,6 +182,7 @@ class FinetuneConfig:
     resume: bool = False
     intra_op_threads: int = 0
     fp16_allreduce: bool = False
+    allreduce_bucket_mb: float = ALLREDUCE_BUCKET_MB
 
     def __post_init__(self):
         if self.task not in TASKS:
@@ -209,6 +213,11 @@ class FinetuneConfig:
                 raise ValueError(
                     f"`{name}` must be one of {allowed}. Received: {name}={getattr(self, name)!r}"
                 )
+        if not self.allreduce_bucket_mb >= 0:
+            raise ValueError(
+                "`allreduce_bucket_mb` must be non-negative. "
+                f"Received: allreduce_bucket_mb={self.allreduce_bucket_mb!r}"
+            )
         if not self.learning_rate > 0:
             raise ValueError(
                 f"`learning_rate` must be positive. Received: learning_rate={self.learning_rate!r}"

@@ -17,6 +17,11 @@ from tfgpt.distributed.horovod_bridge import HorovodDistribution
 from tfgpt.training.train_step import TrainStep, cross_entropy
 
 
+# Small enough that this model's gradients make several buckets, which the
+# train step below uses too.
+BUCKET_BYTES = 600
+
+
 def main(out, xla):
     distribution = HorovodDistribution()
     distribution.configure_devices()
@@ -39,10 +44,14 @@ def main(out, xla):
                        for g in tape.gradient(loss, model.trainable_variables)]
     averaged = [g.numpy() for g in distribution.allreduce_gradients(
         [tf.constant(g) for g in local_gradients])]
-    # In a graph, as TrainStep runs it (one allreduce per gradient), against
-    # Horovod's one grouped allreduce of the same gradients.
+    # In a graph, as TrainStep runs it: one allreduce per gradient, and
+    # several buckets of gradients (this model's gradients are ~100-2,000
+    # bytes each), against Horovod's one grouped allreduce of them all.
     constants = [tf.constant(g) for g in local_gradients]
+    distribution.bucket_bytes = 0
     per_gradient = tf.function(distribution.allreduce_gradients)(constants)
+    distribution.bucket_bytes = BUCKET_BYTES
+    bucketed = tf.function(distribution.allreduce_gradients)(constants)
     grouped = tf.function(lambda gradients: hvd.grouped_allreduce(gradients, op=hvd.Average))(
         constants)
 
@@ -56,6 +65,7 @@ def main(out, xla):
         **{f"averaged_{i}": g for i, g in enumerate(averaged)},
         **{f"graph_averaged_{i}": g.numpy() for i, g in enumerate(per_gradient)},
         **{f"grouped_averaged_{i}": g.numpy() for i, g in enumerate(grouped)},
+        **{f"bucketed_averaged_{i}": g.numpy() for i, g in enumerate(bucketed)},
         **{f"final_{i}": v.numpy() for i, v in enumerate(model.trainable_variables)},
     )
 
