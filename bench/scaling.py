@@ -27,6 +27,7 @@ Usage:
 """
 
 import argparse
+import collections
 import json
 import os
 import shutil
@@ -74,17 +75,98 @@ def trainer_flags(data, out, preset, steps, batch_size, log_every, extra=()):
             "--warmup-steps", "0", *extra]
 
 
+class ThreadCpu:
+    """CPU seconds of a job's trainer threads, by kind, sampled from /proc.
+
+    Every `interval` seconds it reads the user+system time of each thread of
+    the Python processes descended from `roots` (the trainers, not
+    horovodrun or its shells) and keeps the last reading, so a thread that
+    exits keeps what it had used. Kinds: `tensorflow` (TensorFlow's thread
+    pools, named `tf_*`), `main` (each process's main thread: Python, the
+    step dispatch) and `other` (unnamed native threads: Horovod's
+    background thread and Gloo's transport loop in a Horovod job). Linux
+    only; elsewhere the figures stay empty.
+    """
+
+    def __init__(self, roots, interval=0.5):
+        import threading
+
+        self._roots, self._interval = set(roots), interval
+        self._seconds = {}  # (pid, tid) -> (kind, seconds)
+        self._ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _processes(self):
+        parents = {}
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/stat") as file:
+                        parents[int(entry)] = int(file.read().rsplit(")", 1)[1].split()[1])
+                except (OSError, IndexError, ValueError):
+                    continue
+        found, frontier = set(), set(self._roots)
+        while frontier:
+            found |= frontier
+            frontier = {pid for pid, parent in parents.items() if parent in frontier} - found
+        return found
+
+    def _sample(self):
+        for pid in self._processes():
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as file:
+                    if b"train_" not in file.read():
+                        continue
+                tasks = os.listdir(f"/proc/{pid}/task")
+            except OSError:
+                continue
+            for tid in tasks:
+                try:
+                    with open(f"/proc/{pid}/task/{tid}/stat") as file:
+                        name, fields = file.read().split(" (", 1)[1].rsplit(") ", 1)
+                except (OSError, ValueError):
+                    continue
+                fields = fields.split()
+                seconds = (int(fields[11]) + int(fields[12])) / self._ticks
+                kind = ("main" if int(tid) == pid else
+                        "tensorflow" if name.startswith("tf_") else "other")
+                self._seconds[pid, int(tid)] = (kind, seconds)
+
+    def _loop(self):
+        if not os.path.isdir("/proc"):
+            return
+        while not self._stop.wait(self._interval):
+            self._sample()
+
+    def stop(self):
+        """Stops sampling; returns {kind: CPU seconds} summed over the job."""
+        self._stop.set()
+        self._thread.join()
+        totals = collections.Counter()
+        for kind, seconds in self._seconds.values():
+            totals[kind] += seconds
+        return dict(totals)
+
+
 def _run(commands, timeout, repo=REPO):
-    """Runs the commands at once (the workers of one job); raises on failure."""
+    """Runs the commands at once (the workers of one job); raises on failure.
+
+    Returns the job's CPU seconds by kind of thread (`ThreadCpu`).
+    """
     processes = [
         subprocess.Popen(command, cwd=repo, env=env, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, start_new_session=True)
         for command, env in commands
     ]
+    cpu = ThreadCpu(process.pid for process in processes)
     outputs = [process.communicate(timeout=timeout)[0] for process in processes]
+    cpu_seconds = cpu.stop()
     for process, output in zip(processes, outputs):
         if process.returncode != 0:
             raise RuntimeError(f"trainer failed ({process.returncode}):\n{output[-3000:]}")
+    return cpu_seconds
 
 
 def _median(values):
@@ -115,30 +197,31 @@ def run_job(kind, workers, data, work, preset, steps, batch_size, log_every, ext
         # The ceiling: the same single-worker jobs side by side, no communication.
         script = [sys.executable, os.path.join(repo, "train_hvd.py")]
         outs = [os.path.join(out, str(index)) for index in range(workers)]
-        _run([([*script, *trainer_flags(data, each, preset, steps, batch_size, log_every,
-                                         extra)], _environment(repo)) for each in outs],
-             timeout, repo)
+        cpu = _run([([*script, *trainer_flags(data, each, preset, steps, batch_size, log_every,
+                                               extra)], _environment(repo)) for each in outs],
+                   timeout, repo)
         rates = [tokens_per_second(each) for each in outs]
-        return sum(rate for rate, _ in rates), min(windows for _, windows in rates)
+        return sum(rate for rate, _ in rates), min(windows for _, windows in rates), cpu
     if kind in ("horovod", "independent"):
         script = [sys.executable, os.path.join(repo, "train_hvd.py"), *flags]
         if workers > 1:
             script = [HOROVODRUN, "-np", str(workers), "--gloo", "-H", f"localhost:{workers}", *script]
-        _run([(script, _environment(repo))], timeout, repo)
+        cpu = _run([(script, _environment(repo))], timeout, repo)
     else:
         script = [sys.executable, os.path.join(repo, "train_mirrored.py")]
         if workers == 1:
-            _run([([*script, "--strategy", "default", *flags], _environment(repo))], timeout, repo)
+            cpu = _run([([*script, "--strategy", "default", *flags], _environment(repo))],
+                       timeout, repo)
         else:
             cluster = {"worker": [f"localhost:{port}" for port in _free_ports(workers)]}
-            _run([
+            cpu = _run([
                 ([*script, "--strategy", "multi-worker", *flags], _environment(
                     repo, TF_CONFIG=json.dumps(
                         {"cluster": cluster, "task": {"type": "worker", "index": index}})))
                 for index in range(workers)
             ], timeout, repo)
     rate, windows = tokens_per_second(out)
-    return rate, windows
+    return rate, windows, cpu
 
 
 def _load_average():
@@ -159,6 +242,7 @@ def measure(data, work, preset="gpt-mini", steps=30, batch_size=8, log_every=5, 
     sources = [("", REPO)] + ([(" @baseline", os.path.abspath(baseline))] if baseline else [])
     names = [kind + label for kind in kinds for label, _ in sources]
     rates = {(name, workers): [] for name in names for workers in (1, 2)}
+    cpu_shares = {(name, workers): [] for name in names for workers in (1, 2)}
     load_averages = []
     for index in range(rounds):
         for kind in kinds:
@@ -166,12 +250,18 @@ def measure(data, work, preset="gpt-mini", steps=30, batch_size=8, log_every=5, 
                 for workers in (1, 2) if index % 2 == 0 else (2, 1):
                     start, load = time.perf_counter(), _load_average()
                     load_averages.append(load)
-                    rate, windows = run_job(kind, workers, data, work, preset, steps, batch_size,
-                                            log_every, extra, repo=repo,
-                                            label=label.replace(" @", "-"))
+                    rate, windows, cpu = run_job(kind, workers, data, work, preset, steps,
+                                                 batch_size, log_every, extra, repo=repo,
+                                                 label=label.replace(" @", "-"))
                     rates[kind + label, workers].append(rate)
+                    total = sum(cpu.values()) or float("nan")
+                    shares = {thread: seconds / total for thread, seconds in cpu.items()}
+                    cpu_shares[kind + label, workers].append(shares)
                     log(f"  {kind}{label} x{workers}: {rate:.0f} tokens/s ({windows} windows, "
-                        f"{time.perf_counter() - start:.0f} s, load average {load:.2f} before)")
+                        f"{time.perf_counter() - start:.0f} s, load average {load:.2f} before; "
+                        f"CPU {total:.0f} s: " + ", ".join(
+                            f"{thread} {share:.1%}" for thread, share in sorted(shares.items()))
+                        + ")")
     results = {}
     for kind in names:
         one, two = rates[kind, 1], rates[kind, 2]
@@ -181,6 +271,9 @@ def measure(data, work, preset="gpt-mini", steps=30, batch_size=8, log_every=5, 
             "tokens_per_second_2": two,
             "efficiency": _median(efficiencies),
             "efficiency_per_round": efficiencies,
+            # Share of the job's CPU time per kind of thread (ThreadCpu), per round.
+            "cpu_share_1": cpu_shares[kind, 1],
+            "cpu_share_2": cpu_shares[kind, 2],
         }
     return {"preset": preset, "batch_size_per_worker": batch_size, "steps": steps,
             "log_every": log_every, "threads_per_worker": 1, "extra_flags": list(extra),
