@@ -46,6 +46,9 @@ CONFIGURATIONS = {
                                  env={"TFGPT_FUSED_KERNELS": "0"}),
     "tfgpt bf16 composite": dict(framework="tf", precision="bf16", xla=False,
                                  env={"TFGPT_FUSED_KERNELS": "0"}),
+    # One inter-op thread: ops run one at a time, each on all intra-op threads.
+    "tfgpt fp32 inter1": dict(framework="tf", precision="fp32", xla=False, inter_op_threads=1),
+    "tfgpt bf16 inter1": dict(framework="tf", precision="bf16", xla=False, inter_op_threads=1),
     "torch fp32": dict(framework="torch", precision="fp32"),
     "torch bf16": dict(framework="torch", precision="bf16"),
     "torch fp32 compile": dict(framework="torch", precision="fp32", compile=True),
@@ -90,7 +93,8 @@ def _tf_worker(args, batches):
     import tensorflow as tf
 
     tf.config.threading.set_intra_op_parallelism_threads(args.threads)
-    tf.config.threading.set_inter_op_parallelism_threads(min(2, args.threads))
+    tf.config.threading.set_inter_op_parallelism_threads(
+        args.inter_op_threads or min(2, args.threads))
     import tfgpt
     from tfgpt import GPT
     from tfgpt.config import TrainConfig
@@ -187,6 +191,8 @@ def worker_main(argv):
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--recompute", action="store_true")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--inter-op-threads", type=int, default=0,
+                        help="TensorFlow's inter-op threads; 0: min(2, --threads)")
     parser.add_argument("--preset", default="gpt-mini")
     parser.add_argument("--overrides", default="{}", help="GPTConfig fields as JSON")
     parser.add_argument("--batches", help=".npy of (count, 2, batch, length) token ids")
