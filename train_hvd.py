@@ -27,7 +27,10 @@ def main(argv=None):
         bucket_mb=train_config.allreduce_bucket_mb,
     )
     # Horovod: one GPU per local rank, or the CPU cores split between ranks.
-    distribution.configure_devices(train_config.intra_op_threads)
+    distribution.configure_devices(
+        train_config.intra_op_threads, towers=train_config.towers,
+        batch_size=train_config.batch_size, xla=train_config.xla,
+    )
 
     # Data, model, optimizer, loop, save: the shared core.
     try:

@@ -43,7 +43,8 @@ def main(argv=None):
     # Distribute: replicas from the strategy; variables are mirrored on them.
     # Distribute: the CPU cores split between workers on one machine.
     distribution = StrategyDistribution.create(
-        flags["strategy"], flags["logical_cpus"], train_config.intra_op_threads
+        flags["strategy"], flags["logical_cpus"], train_config.intra_op_threads,
+        towers=train_config.towers, batch_size=train_config.batch_size, xla=train_config.xla,
     )
 
     # Data, model, optimizer, loop, save: the shared core.

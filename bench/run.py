@@ -44,7 +44,8 @@ RESULTS = os.path.join(REPO, "bench", "results")
 SECTIONS = ("training", "scaling", "memory", "generation", "pipeline")
 
 QUICK_TRAINING = [
-    "tfgpt fp32", "tfgpt fp32 xla", "tfgpt bf16", "tfgpt bf16 xla",
+    "tfgpt fp32", "tfgpt fp32 towers1", "tfgpt fp32 xla", "tfgpt bf16", "tfgpt bf16 towers1",
+    "tfgpt bf16 xla",
     "torch fp32", "torch bf16", "peak fp32", "peak bf16",
 ]
 FULL_TRAINING = QUICK_TRAINING + ["torch fp32 compile", "torch bf16 compile"]

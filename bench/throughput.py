@@ -46,9 +46,15 @@ CONFIGURATIONS = {
                                  env={"TFGPT_FUSED_KERNELS": "0"}),
     "tfgpt bf16 composite": dict(framework="tf", precision="bf16", xla=False,
                                  env={"TFGPT_FUSED_KERNELS": "0"}),
-    # One inter-op thread: ops run one at a time, each on all intra-op threads.
-    "tfgpt fp32 inter1": dict(framework="tf", precision="fp32", xla=False, inter_op_threads=1),
-    "tfgpt bf16 inter1": dict(framework="tf", precision="bf16", xla=False, inter_op_threads=1),
+    # One chain of ops, each on every thread (the trainers' default, --towers
+    # 0, runs two half-batch towers side by side when there are 2+ threads).
+    "tfgpt fp32 towers1": dict(framework="tf", precision="fp32", xla=False, towers=1),
+    "tfgpt bf16 towers1": dict(framework="tf", precision="bf16", xla=False, towers=1),
+    # One chain, one inter-op thread: ops run one at a time, each on all threads.
+    "tfgpt fp32 inter1": dict(framework="tf", precision="fp32", xla=False, inter_op_threads=1,
+                              towers=1),
+    "tfgpt bf16 inter1": dict(framework="tf", precision="bf16", xla=False, inter_op_threads=1,
+                              towers=1),
     "torch fp32": dict(framework="torch", precision="fp32"),
     "torch bf16": dict(framework="torch", precision="bf16"),
     "torch fp32 compile": dict(framework="torch", precision="fp32", compile=True),
@@ -92,9 +98,17 @@ def _tf_worker(args, batches):
     import keras
     import tensorflow as tf
 
-    tf.config.threading.set_intra_op_parallelism_threads(args.threads)
-    tf.config.threading.set_inter_op_parallelism_threads(
-        args.inter_op_threads or min(2, args.threads))
+    inter_op_threads = args.inter_op_threads or min(2, args.threads)
+    try:
+        from tfgpt.distributed.cpu_threads import configure_cpu_threads, resolve_towers
+    except ImportError:  # a checkout from before towers (--tfgpt-path)
+        towers = 1
+        tf.config.threading.set_intra_op_parallelism_threads(args.threads)
+        tf.config.threading.set_inter_op_parallelism_threads(inter_op_threads)
+    else:
+        # As the trainers choose: --towers 0 is TrainConfig's default.
+        towers = resolve_towers(args.towers, args.threads, batches.shape[2], args.xla)
+        configure_cpu_threads(args.threads, towers, inter_op_threads)
     import tfgpt
     from tfgpt import GPT
     from tfgpt.config import TrainConfig
@@ -109,7 +123,8 @@ def _tf_worker(args, batches):
     config = TrainConfig(data="-", warmup_steps=0, schedule="constant", learning_rate=1e-3)
     optimizer = make_optimizer(config)
     optimizer.build(model.trainable_variables)
-    step = TrainStep(model, optimizer, LocalDistribution(), xla=args.xla)
+    step = TrainStep(model, optimizer, LocalDistribution(), xla=args.xla,
+                     **({"towers": towers} if towers > 1 else {}))
     if args.recompute:
         from tfgpt.layers.transformer_block import set_recompute
 
@@ -127,6 +142,7 @@ def _tf_worker(args, batches):
         "flops_per_token": flops.flops_per_token(model, batches.shape[-1]),
         "tfgpt": os.path.dirname(os.path.dirname(os.path.abspath(tfgpt.__file__))),
         "tensorflow": tf.__version__,
+        "towers": towers,
     })
 
 
@@ -193,6 +209,8 @@ def worker_main(argv):
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--inter-op-threads", type=int, default=0,
                         help="TensorFlow's inter-op threads; 0: min(2, --threads)")
+    parser.add_argument("--towers", type=int, default=0,
+                        help="TrainConfig.towers: slices of the batch run side by side; 0 chooses")
     parser.add_argument("--preset", default="gpt-mini")
     parser.add_argument("--overrides", default="{}", help="GPTConfig fields as JSON")
     parser.add_argument("--batches", help=".npy of (count, 2, batch, length) token ids")

@@ -239,6 +239,13 @@ class TrainConfig:
         resume: bool. Continue from the latest checkpoint in `out`.
         intra_op_threads: int. Threads per worker for one op; 0 divides the
             machine's cores among the workers on it.
+        towers: int. Slices of each worker's batch whose forward and
+            backward passes run side by side, each op of a slice on
+            threads / towers threads (`tfgpt.distributed.cpu_threads`):
+            on CPU, two one-thread chains beat one two-thread chain at
+            small models' shapes. 0 chooses: 2 on a CPU worker with at
+            least 2 threads, one replica, XLA off and an even batch size,
+            else 1. Must divide `batch_size`.
         peak_flops: float. Peak FLOP/s of one worker's device, for MFU; 0
             measures a chain of 2048x2048 matmuls in the training dtype at
             start-up.
@@ -284,6 +291,7 @@ class TrainConfig:
     eval_batches: int = 50
     resume: bool = False
     intra_op_threads: int = 0
+    towers: int = 0
     peak_flops: float = 0.0
     fp16_allreduce: bool = False
     allreduce_bucket_mb: float = ALLREDUCE_BUCKET_MB
@@ -296,12 +304,17 @@ class TrainConfig:
             raise ValueError("`data` is required: the directory written by pipelines.prepare.")
         for name in ("steps", "batch_size", "log_every", "keep_checkpoints", "accumulation_steps"):
             _require_positive_int(name, getattr(self, name))
-        for name in ("warmup_steps", "save_every", "eval_batches", "intra_op_threads"):
+        for name in ("warmup_steps", "save_every", "eval_batches", "intra_op_threads", "towers"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(
                     f"`{name}` must be a non-negative integer. Received: {name}={value!r}"
                 )
+        if self.towers and self.batch_size % self.towers:
+            raise ValueError(
+                "`batch_size` must be divisible by `towers`. "
+                f"Received: batch_size={self.batch_size}, towers={self.towers}"
+            )
         if not self.learning_rate > 0:
             raise ValueError(
                 f"`learning_rate` must be positive. Received: learning_rate={self.learning_rate!r}"

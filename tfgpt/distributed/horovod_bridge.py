@@ -24,6 +24,7 @@ import keras
 import tensorflow as tf
 
 from tfgpt.config import ALLREDUCE_BUCKET_MB
+from tfgpt.distributed.cpu_threads import configure_cpu_threads, resolve_towers
 from tfgpt.distributed.local import LocalDistribution
 
 _COMPRESSIONS = ("none", "fp16")
@@ -131,10 +132,13 @@ class HorovodDistribution(LocalDistribution):
             hvd.Compression.fp16 if compression == "fp16" else hvd.Compression.none
         )
 
-    def configure_devices(self, intra_op_threads=0):
+    def configure_devices(self, intra_op_threads=0, *, towers=1, batch_size=0, xla=False):
         """Pins one GPU per local rank; splits CPU cores among local ranks.
 
-        Must run before TensorFlow executes its first op.
+        `towers`, `batch_size` and `xla` choose how many towers this
+        worker runs (`tfgpt.distributed.cpu_threads.resolve_towers`; 0
+        chooses) and its threads are split for them; the choice is kept in
+        `self.towers`. Must run before TensorFlow executes its first op.
         """
         gpus = tf.config.list_physical_devices("GPU")
         if gpus:
@@ -142,10 +146,10 @@ class HorovodDistribution(LocalDistribution):
             tf.config.experimental.set_memory_growth(gpu, True)
             tf.config.set_visible_devices(gpu, "GPU")
         threads = intra_op_threads or max(1, (os.cpu_count() or 1) // self.local_size)
-        tf.config.threading.set_intra_op_parallelism_threads(threads)
+        self.towers = resolve_towers(towers, threads, batch_size, xla, gpu=bool(gpus))
         # Inter-op threads beyond a couple only add contention when several
         # workers share the cores.
-        tf.config.threading.set_inter_op_parallelism_threads(min(2, threads))
+        configure_cpu_threads(threads, self.towers, inter_op_threads=min(2, threads))
 
     def allreduce_gradients(self, gradients):
         """Averages a list of dense gradients over all workers, in buckets.

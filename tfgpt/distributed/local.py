@@ -11,7 +11,8 @@ class LocalDistribution:
     The interface every distribution offers the trainer core:
     `rank`, `size` (replicas in sync), `is_chief`, `scope()`,
     `distribute_dataset(fn)`, `run(fn, batch)`, `allreduce_gradients`,
-    `allreduce_mean`, `broadcast_variables` and `configure_optimizer`.
+    `allreduce_mean`, `broadcast_variables`, `configure_optimizer` and
+    `towers` (how many slices of each batch the step runs side by side).
     """
 
     rank = 0
@@ -21,6 +22,8 @@ class LocalDistribution:
     local_size = 1
     is_chief = True
     saves_collectively = False
+    # Concurrent slices of each batch (tfgpt.distributed.cpu_threads).
+    towers = 1
 
     def scope(self):
         return contextlib.nullcontext()

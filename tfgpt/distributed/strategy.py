@@ -5,6 +5,7 @@ import os
 
 import tensorflow as tf
 
+from tfgpt.distributed.cpu_threads import configure_cpu_threads, resolve_towers
 from tfgpt.distributed.local import LocalDistribution
 
 STRATEGIES = ("default", "one-device", "mirrored", "multi-worker")
@@ -51,24 +52,30 @@ class StrategyDistribution(LocalDistribution):
     """
 
     @classmethod
-    def create(cls, name, logical_cpus=0, intra_op_threads=0):
+    def create(cls, name, logical_cpus=0, intra_op_threads=0, *, towers=1, batch_size=0,
+               xla=False):
         """Configures the devices, then builds the strategy called `name`.
 
         Workers that share a machine (multi-worker on one host, read from
         `TF_CONFIG`) split its cores, as Horovod's ranks do;
         `logical_cpus` > 1 splits the CPU into that many replicas.
+        `towers`, `batch_size` and `xla` choose the towers each replica
+        runs (`tfgpt.distributed.cpu_threads.resolve_towers`; 0 chooses).
         """
         cluster = json.loads(os.environ.get("TF_CONFIG", "{}")).get("cluster", {})
         hosts = [address.rsplit(":", 1)[0] for address in cluster.get("worker", [])]
         workers_here = max(1, sum(host in ("localhost", "127.0.0.1") for host in hosts))
         threads = intra_op_threads or max(1, (os.cpu_count() or 1) // workers_here)
-        tf.config.threading.set_intra_op_parallelism_threads(threads)
+        towers = resolve_towers(towers, threads, batch_size, xla, replicas=max(1, logical_cpus))
+        configure_cpu_threads(threads, towers)
         if logical_cpus > 1:
             cpu = tf.config.list_physical_devices("CPU")[0]
             tf.config.set_logical_device_configuration(
                 cpu, [tf.config.LogicalDeviceConfiguration()] * logical_cpus
             )
-        return cls(make_strategy(name))
+        distribution = cls(make_strategy(name))
+        distribution.towers = towers
+        return distribution
 
     def __init__(self, strategy):
         self.strategy = strategy

@@ -79,6 +79,15 @@ class TrainStep:
     they are averaged across workers and applied once, so the update equals
     that of one batch K times larger.
 
+    With `towers=K`, each (micro-)batch is cut along its first axis into K
+    equal slices whose losses are averaged: K independent forward and
+    backward chains in one graph, which TensorFlow's inter-op pool runs at
+    the same time, each op on its share of the threads
+    (`tfgpt.distributed.cpu_threads`). The gradients are those of the mean
+    of the slices' losses, the same as for the whole batch when the loss is
+    a plain mean over equal slices (the causal LM loss); a loss weighted by
+    a mask is averaged per slice first, as across workers.
+
     Args:
         model: keras.Model.
         optimizer: keras optimizer (LossScaleOptimizer under float16).
@@ -88,6 +97,8 @@ class TrainStep:
             defaults to the causal language-model loss.
         xla: bool. JIT-compile the forward and backward pass.
         accumulation_steps: int. Micro-batches per update.
+        towers: int. Slices of each batch computed side by side; the
+            batch's first axis must be divisible by it.
 
     Calling it with a batch returns a dict of scalars: `loss` (this
     worker's mean), `gradient_norm` (global norm of the averaged, unscaled
@@ -96,18 +107,19 @@ class TrainStep:
 
     def __init__(
         self, model, optimizer, distribution, loss_fn=causal_lm_loss, xla=False,
-        accumulation_steps=1,
+        accumulation_steps=1, towers=1,
     ):
-        if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
-            raise ValueError(
-                "`accumulation_steps` must be a positive integer. "
-                f"Received: accumulation_steps={accumulation_steps!r}"
-            )
+        for name, value in (("accumulation_steps", accumulation_steps), ("towers", towers)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"`{name}` must be a positive integer. Received: {name}={value!r}"
+                )
         self.model = model
         self.optimizer = optimizer
         self.distribution = distribution
         self.loss_fn = loss_fn
         self.accumulation_steps = accumulation_steps
+        self.towers = towers
         self.variables = model.trainable_variables
         self.compiled = _compiled_parts(distribution, xla)
         self._forward_backward = self._forward_backward_fn
@@ -121,9 +133,30 @@ class TrainStep:
         else:
             self._step = tf.function(lambda batch: distribution.run(self._replica_step, batch))
 
+    def _towers_loss(self, batch):
+        if self.towers == 1:
+            return self.loss_fn(self.model, batch, True)
+        # Each leaf (B, ...) -> K slices (B / K, ...); nothing joins the
+        # slices' chains before the variables' gradients are summed.
+        slices = [tf.split(leaf, self.towers) for leaf in tf.nest.flatten(batch)]
+        results = [
+            self.loss_fn(
+                self.model,
+                tf.nest.pack_sequence_as(batch, [parts[index] for parts in slices]),
+                True,
+            )
+            for index in range(self.towers)
+        ]
+        scale = 1.0 / self.towers
+        loss = tf.add_n([loss for loss, _ in results]) * scale
+        metrics = tf.nest.map_structure(
+            lambda *values: tf.add_n(list(values)) * scale, *[m for _, m in results]
+        )
+        return loss, metrics
+
     def _forward_backward_fn(self, batch):
         with tf.GradientTape() as tape:
-            loss, metrics = self.loss_fn(self.model, batch, True)
+            loss, metrics = self._towers_loss(batch)
             scaled_loss = self.optimizer.scale_loss(loss)
         # Sources are the tf.Variables inside the Keras 3 variables.
         gradients = tape.gradient(scaled_loss, [v.value for v in self.variables])

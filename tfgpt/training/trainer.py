@@ -189,13 +189,16 @@ def train(train_config, model_overrides, distribution):
     report = Reporter(out, distribution.is_chief)
     sequence_length = manifest["seq_len"]
     global_batch = train_config.batch_size * train_config.accumulation_steps * distribution.size
+    # An explicit --towers wins; 0 takes what the distribution split its threads for.
+    towers = train_config.towers or distribution.towers
     report.info(
         f"tfgpt: {family} {task.name}, {distribution.num_workers} worker(s), "
         f"{distribution.size} replica(s), "
         f"global batch {global_batch} x "
         f"{sequence_length} tokens ({train_config.batch_size} per replica x "
         f"{train_config.accumulation_steps} accumulated), {train_config.steps} steps, "
-        f"precision {train_config.mixed_precision}, xla {train_config.xla}"
+        f"precision {train_config.mixed_precision}, xla {train_config.xla}, "
+        f"{towers} tower(s) per replica"
     )
     warning = slow_precision_warning(train_config.mixed_precision)
     if warning:
@@ -225,6 +228,7 @@ def train(train_config, model_overrides, distribution):
         loss_fn=task.loss,
         xla=train_config.xla,
         accumulation_steps=train_config.accumulation_steps,
+        towers=towers,
     )
 
     # Data: each worker reads its own part, in an order fixed by the seed.
