@@ -29,7 +29,10 @@ def main(argv=None):
         bucket_mb=config.allreduce_bucket_mb,
     )
     # Horovod: one GPU per local rank, or the CPU cores split between ranks.
-    distribution.configure_devices(config.intra_op_threads)
+    distribution.configure_devices(
+        config.intra_op_threads, towers=config.towers, batch_size=config.batch_size,
+        xla=config.xla,
+    )
 
     # Data, model, optimizer, loop, save, evaluation: the fine-tuning core.
     try:

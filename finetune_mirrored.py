@@ -44,7 +44,8 @@ def main(argv=None):
     # Distribute: replicas from the strategy; variables are mirrored on them.
     # Distribute: the CPU cores split between workers on one machine.
     distribution = StrategyDistribution.create(
-        flags["strategy"], flags["logical_cpus"], config.intra_op_threads
+        flags["strategy"], flags["logical_cpus"], config.intra_op_threads,
+        towers=config.towers, batch_size=config.batch_size, xla=config.xla,
     )
 
     # Data, model, optimizer, loop, save, evaluation: the fine-tuning core.

@@ -15,6 +15,7 @@ from tfgpt import GPT
 from tfgpt.config import TrainConfig
 from tfgpt.distributed import LocalDistribution
 from tfgpt.distributed.cpu_threads import resolve_towers
+from tfgpt.finetuning import FinetuneConfig
 from tfgpt.training.train_step import TrainStep, cross_entropy
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -127,6 +128,8 @@ def test_train_config_refuses_towers_that_do_not_divide_the_batch():
         TrainConfig(data="d", batch_size=6, towers=4)
     with pytest.raises(ValueError, match="`towers` must be a non-negative integer"):
         TrainConfig(data="d", towers=-2)
+    with pytest.raises(ValueError, match="batch_size=10, towers=3"):
+        FinetuneConfig(train_file="t.tsv", tokenizer="s.model", batch_size=10, towers=3)
 
 
 @pytest.mark.parametrize("options, expected", [
@@ -176,3 +179,29 @@ def test_threads_are_split_among_the_towers(threads, towers, inter, expected):
         capture_output=True, text=True, check=True,
     ).stdout
     assert json.loads(output.strip().splitlines()[-1]) == expected
+
+
+@pytest.mark.slow
+def test_the_trainer_with_two_towers_records_them_and_follows_the_one_tower_run(tiny_data, tmp_path):
+    import keras  # noqa: F811
+
+    from tfgpt.training.flags import parse_flags
+    from tfgpt.training.trainer import train
+
+    losses = {}
+    for towers in (1, 2):
+        out = tmp_path / f"towers{towers}"
+        config, overrides = parse_flags([
+            "--data", str(tiny_data), "--out", str(out), "--steps", "4", "--log-every", "1",
+            "--batch-size", "4", "--towers", str(towers), "--eval-batches", "1",
+            "--peak-flops", "1e10", "--num-layers", "2", "--num-heads", "2",
+            "--hidden-dim", "16", "--intermediate-dim", "24", "--max-sequence-length", "16",
+        ])
+        train(config, overrides, LocalDistribution())
+        with open(out / "metrics.jsonl") as file:
+            records = [json.loads(line) for line in file]
+        losses[towers] = [r["loss"] for r in records if r.get("split") == "train" and "loss" in r]
+        assert json.load(open(out / "config.json"))["train"]["towers"] == towers
+    assert len(losses[1]) == 4
+    np.testing.assert_allclose(losses[2], losses[1], rtol=1e-5)
+    assert losses[1][-1] < losses[1][0]  # it trained

@@ -140,6 +140,8 @@ class FinetuneConfig:
             architecture and labels come from `out`, not from `init`.
         intra_op_threads: int. Threads per worker for one op; 0 divides the
             machine's cores among the workers on it.
+        towers: int. Slices of each batch run side by side (TrainConfig's
+            `towers`); 0 chooses. Must divide `batch_size`.
         fp16_allreduce: bool. Horovod only: send gradients as float16.
         allreduce_bucket_mb: float. Horovod only: megabytes of gradients
             per grouped allreduce; 0 sends each gradient on its own.
@@ -181,6 +183,7 @@ class FinetuneConfig:
     keep_checkpoints: int = 3
     resume: bool = False
     intra_op_threads: int = 0
+    towers: int = 0
     fp16_allreduce: bool = False
     allreduce_bucket_mb: float = ALLREDUCE_BUCKET_MB
 
@@ -202,8 +205,13 @@ class FinetuneConfig:
         for name in ("batch_size", "log_every", "keep_checkpoints", "accumulation_steps",
                      "doc_stride", "max_query_length", "max_answer_length", "n_best"):
             _require(name, getattr(self, name), minimum=1)
-        for name in ("steps", "save_every", "intra_op_threads", "max_sequence_length"):
+        for name in ("steps", "save_every", "intra_op_threads", "max_sequence_length", "towers"):
             _require(name, getattr(self, name), minimum=0)
+        if self.towers and self.batch_size % self.towers:
+            raise ValueError(
+                "`batch_size` must be divisible by `towers`. "
+                f"Received: batch_size={self.batch_size}, towers={self.towers}"
+            )
         for name, allowed in (
             ("mixed_precision", MIXED_PRECISION),
             ("schedule", SCHEDULES),
@@ -863,7 +871,8 @@ def finetune(config, distribution, model_overrides=None):
         f"({'resumed from ' + out if saved else config.init or 'random ' + config.preset}), "
         f"{distribution.num_workers} worker(s), {distribution.size} replica(s), "
         f"{num_records} training {'records' if config.task == 'classification' else 'windows'}, "
-        f"global batch {global_batch}, {steps} steps"
+        f"global batch {global_batch}, {steps} steps, "
+        f"{config.towers or distribution.towers} tower(s) per replica"
         + (f", labels {labels}" if labels else "")
     )
     warning = slow_precision_warning(config.mixed_precision)
@@ -877,6 +886,8 @@ def finetune(config, distribution, model_overrides=None):
         loss_fn=classification_loss if config.task == "classification" else span_loss,
         xla=config.xla,
         accumulation_steps=config.accumulation_steps,
+        # An explicit --towers wins; 0 takes what the distribution split its threads for.
+        towers=config.towers or distribution.towers,
     )
 
     # Checkpoints: the trainer core's; dropout state saved beside the model.
