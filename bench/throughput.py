@@ -123,6 +123,7 @@ def _tf_worker(args, batches):
     config = TrainConfig(data="-", warmup_steps=0, schedule="constant", learning_rate=1e-3)
     optimizer = make_optimizer(config)
     optimizer.build(model.trainable_variables)
+    # `towers` only when used: a checkout from before towers has no such argument.
     step = TrainStep(model, optimizer, LocalDistribution(), xla=args.xla,
                      **({"towers": towers} if towers > 1 else {}))
     if args.recompute:

@@ -183,8 +183,6 @@ def test_threads_are_split_among_the_towers(threads, towers, inter, expected):
 
 @pytest.mark.slow
 def test_the_trainer_with_two_towers_records_them_and_follows_the_one_tower_run(tiny_data, tmp_path):
-    import keras  # noqa: F811
-
     from tfgpt.training.flags import parse_flags
     from tfgpt.training.trainer import train
 
@@ -201,7 +199,7 @@ def test_the_trainer_with_two_towers_records_them_and_follows_the_one_tower_run(
         with open(out / "metrics.jsonl") as file:
             records = [json.loads(line) for line in file]
         losses[towers] = [r["loss"] for r in records if r.get("split") == "train" and "loss" in r]
-        assert json.load(open(out / "config.json"))["train"]["towers"] == towers
+        assert json.loads((out / "config.json").read_text())["train"]["towers"] == towers
     assert len(losses[1]) == 4
     np.testing.assert_allclose(losses[2], losses[1], rtol=1e-5)
     assert losses[1][-1] < losses[1][0]  # it trained

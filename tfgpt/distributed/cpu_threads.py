@@ -7,8 +7,8 @@ step is 0.56x a two-thread step, not 0.5x). Towers cut each batch into K
 slices whose forward and backward passes are independent chains in one
 graph: K ops run at once, each on threads / K threads, and the gradients
 meet only where the variables' gradients are summed (`TrainStep`). On two
-cores two towers of one thread each measured 1.09-1.10x the one-chain step
-in float32 and 1.12-1.15x in bfloat16 (README, Performance).
+cores two towers of one thread each measured 1.05-1.13x the one-chain step
+in float32 and 1.13-1.15x in bfloat16 (README, Performance).
 """
 
 import tensorflow as tf
