@@ -50,6 +50,9 @@ CONFIGURATIONS = {
     # 0, runs two half-batch towers side by side when there are 2+ threads).
     "tfgpt fp32 towers1": dict(framework="tf", precision="fp32", xla=False, towers=1),
     "tfgpt bf16 towers1": dict(framework="tf", precision="bf16", xla=False, towers=1),
+    # Four quarter-batch towers on the same inter-op pool.
+    "tfgpt fp32 towers4": dict(framework="tf", precision="fp32", xla=False, towers=4),
+    "tfgpt bf16 towers4": dict(framework="tf", precision="bf16", xla=False, towers=4),
     # One chain, one inter-op thread: ops run one at a time, each on all threads.
     "tfgpt fp32 inter1": dict(framework="tf", precision="fp32", xla=False, inter_op_threads=1,
                               towers=1),
