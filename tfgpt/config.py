@@ -77,6 +77,15 @@ def _require_positive_int(name, value):
         )
 
 
+def require_towers_divide_batch(batch_size, towers):
+    """Raises unless `towers` (0: chosen later) divides `batch_size`."""
+    if towers and batch_size % towers:
+        raise ValueError(
+            "`batch_size` must be divisible by `towers`. "
+            f"Received: batch_size={batch_size}, towers={towers}"
+        )
+
+
 def validate_gpt_config(
     vocabulary_size,
     num_layers,
@@ -310,11 +319,7 @@ class TrainConfig:
                 raise ValueError(
                     f"`{name}` must be a non-negative integer. Received: {name}={value!r}"
                 )
-        if self.towers and self.batch_size % self.towers:
-            raise ValueError(
-                "`batch_size` must be divisible by `towers`. "
-                f"Received: batch_size={self.batch_size}, towers={self.towers}"
-            )
+        require_towers_divide_batch(self.batch_size, self.towers)
         if not self.learning_rate > 0:
             raise ValueError(
                 f"`learning_rate` must be positive. Received: learning_rate={self.learning_rate!r}"

@@ -58,6 +58,7 @@ from tfgpt.config import (
     AlbertConfig,
     BertConfig,
     TrainConfig,
+    require_towers_divide_batch,
 )
 
 TASKS = ("classification", "squad")
@@ -207,11 +208,7 @@ class FinetuneConfig:
             _require(name, getattr(self, name), minimum=1)
         for name in ("steps", "save_every", "intra_op_threads", "max_sequence_length", "towers"):
             _require(name, getattr(self, name), minimum=0)
-        if self.towers and self.batch_size % self.towers:
-            raise ValueError(
-                "`batch_size` must be divisible by `towers`. "
-                f"Received: batch_size={self.batch_size}, towers={self.towers}"
-            )
+        require_towers_divide_batch(self.batch_size, self.towers)
         for name, allowed in (
             ("mixed_precision", MIXED_PRECISION),
             ("schedule", SCHEDULES),
@@ -866,13 +863,15 @@ def finetune(config, distribution, model_overrides=None):
         optimizer.build(model.trainable_variables)
         step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
     report = Reporter(out, distribution.is_chief)
+    # An explicit --towers wins; 0 takes what the distribution split its threads for.
+    towers = config.towers or distribution.towers
     report.info(
         f"tfgpt finetune: {config.task} on a {family} encoder "
         f"({'resumed from ' + out if saved else config.init or 'random ' + config.preset}), "
         f"{distribution.num_workers} worker(s), {distribution.size} replica(s), "
         f"{num_records} training {'records' if config.task == 'classification' else 'windows'}, "
         f"global batch {global_batch}, {steps} steps, "
-        f"{config.towers or distribution.towers} tower(s) per replica"
+        f"{towers} tower(s) per replica"
         + (f", labels {labels}" if labels else "")
     )
     warning = slow_precision_warning(config.mixed_precision)
@@ -886,8 +885,7 @@ def finetune(config, distribution, model_overrides=None):
         loss_fn=classification_loss if config.task == "classification" else span_loss,
         xla=config.xla,
         accumulation_steps=config.accumulation_steps,
-        # An explicit --towers wins; 0 takes what the distribution split its threads for.
-        towers=config.towers or distribution.towers,
+        towers=towers,
     )
 
     # Checkpoints: the trainer core's; dropout state saved beside the model.
