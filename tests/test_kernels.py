@@ -117,8 +117,10 @@ def test_gpt_training_gradients_equal_the_composite_path(policy):
         step = tf.function(loss_and_gradients)
         fused_loss, fused = step()
         types = {op.type for op in step.get_concrete_function().graph.get_operations()}
+        # Float32 attention is one fused kernel; in bfloat16 only its softmax is.
+        attention = ("TfgptCausalAttention" if policy == "float32" else "TfgptCausalSoftmax")
         assert {"TfgptBiasGelu", "TfgptBiasGeluGrad", "TfgptLayerNorm", "TfgptLayerNormGrad",
-                "TfgptCausalSoftmax", "TfgptCausalSoftmaxGrad"} <= types
+                attention, attention + "Grad"} <= types
         with kernels.disabled():
             composite_loss, composite = tf.function(loss_and_gradients)()
     finally:
@@ -169,3 +171,25 @@ def test_isa_flags_need_every_feature():
     assert kernel_build.isa_flags({"avx2"}) == []
     assert kernel_build.isa_flags({"avx2", "fma", "sse4_2"}) == ["-mavx2", "-mfma"]
     assert kernel_build.required_features(["-mavx2", "-mfma"]) == ["avx2", "fma"]
+    avx512 = {"avx512f", "avx512bw", "avx512dq", "avx512vl"}
+    # AVX-512 only on top of AVX2 + FMA, and only with all four parts.
+    assert kernel_build.isa_flags(avx512) == []
+    assert kernel_build.isa_flags({"avx2", "fma", "avx512f", "avx512bw"}) == ["-mavx2", "-mfma"]
+    flags = kernel_build.isa_flags({"avx2", "fma", *avx512})
+    assert flags == ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl"]
+    assert kernel_build.required_features(flags) == sorted({"avx2", "fma", *avx512})
+
+
+def test_a_library_built_for_missing_instructions_is_refused(monkeypatch):
+    # A venv built on an AVX-512 machine and copied to one without it.
+    stamp = kernel_build.read_stamp()
+    monkeypatch.setattr(kernel_build, "read_stamp", lambda: {
+        **stamp, "requires_cpu_features": ["avx2", "fma", "avx512f"]})
+    monkeypatch.setattr(kernel_build, "cpu_features", lambda: {"avx2", "fma"})
+    monkeypatch.setattr(kernels, "_loaded", False)
+    monkeypatch.setattr(kernels, "_library", None)
+    monkeypatch.setattr(kernels, "_load_error", None)
+    assert kernels.library() is None
+    assert "avx512f" in kernels.unavailable_reason()
+    monkeypatch.undo()  # the loaded library again, for the tests after this one
+    assert kernels.library() is not None

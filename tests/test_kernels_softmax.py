@@ -190,7 +190,12 @@ def test_gpt_loss_and_gradients_equal_the_composite_path(policy, dropout):
 
         step = tf.function(loss_and_gradients)
         fused_loss, fused = step()
-        assert FUSED_OPS <= {op.type for op in step.get_concrete_function().graph.get_operations()}
+        types = {op.type for op in step.get_concrete_function().graph.get_operations()}
+        if policy == "float32" and dropout == 0.0:
+            # The whole attention core is one kernel (tests/test_kernels_attention.py).
+            assert {"TfgptCausalAttention", "TfgptCausalAttentionGrad"} <= types
+        else:
+            assert FUSED_OPS <= types
         for variable, state in zip(model.non_trainable_variables, seed_states):
             variable.assign(state)
         with kernels.disabled():

@@ -140,8 +140,9 @@ def build_info():
 
 # Below use_fused, which they call.
 from tfgpt.kernels.bias_gelu_kernel import bias_gelu  # noqa: E402
+from tfgpt.kernels.causal_attention_kernel import causal_attention  # noqa: E402
 from tfgpt.kernels.cross_entropy_kernel import sparse_cross_entropy  # noqa: E402
 from tfgpt.kernels.gelu_kernel import gelu  # noqa: E402
 
-__all__ = ["bias_gelu", "disabled", "gelu", "in_xla_context", "library", "sparse_cross_entropy",
+__all__ = ["bias_gelu", "causal_attention", "disabled", "gelu", "in_xla_context", "library", "sparse_cross_entropy",
            "unavailable_reason", "use_fused"]

@@ -12,7 +12,8 @@ no-op. `tfgpt.kernels` loads the library only while the stamp matches, and
 otherwise falls back to TensorFlow's own (slower) ops with a warning.
 
 Instruction sets: AVX2 and FMA when this CPU has both (x86-64 machines of
-the last decade), else the compiler's default. The stamp records the
+the last decade), plus AVX-512 F/BW/DQ/VL when it has those too, else the
+compiler's default. The stamp records the
 choice, and the loader refuses a library built for instructions the CPU
 it runs on lacks (a copied venv or Docker image), instead of crashing.
 """
@@ -36,8 +37,19 @@ SOURCE_DIR = os.path.join(HERE, "cc")
 LIBRARY = os.path.join(HERE, "_tfgpt_kernels.so")
 STAMP = os.path.join(HERE, "_tfgpt_kernels.json")
 COMPILER = os.environ.get("CXX", "g++")
-# CPU feature flag in /proc/cpuinfo -> compiler flag.
-_X86_FEATURES = {"avx2": "-mavx2", "fma": "-mfma"}
+# Every source's flags besides the instruction sets and TensorFlow's own.
+# NDEBUG: TensorFlow's flags leave Eigen's per-coefficient asserts on.
+BASE_FLAGS = ["-O3", "-DNDEBUG", "-fPIC", "-Wno-deprecated-declarations"]
+# CPU feature flag in /proc/cpuinfo -> compiler flag, in tiers: a tier is
+# taken when the CPU has every feature of it and of the tiers before it.
+_X86_TIERS = (
+    {"avx2": "-mavx2", "fma": "-mfma"},
+    # AVX-512 doubles the width of Eigen's packets, which the attention
+    # kernel's matmuls need to keep up with oneDNN's.
+    {"avx512f": "-mavx512f", "avx512bw": "-mavx512bw", "avx512dq": "-mavx512dq",
+     "avx512vl": "-mavx512vl"},
+)
+_X86_FEATURES = {feature: flag for tier in _X86_TIERS for feature, flag in tier.items()}
 
 
 class BuildError(RuntimeError):
@@ -66,13 +78,17 @@ def cpu_features():
 
 
 def isa_flags(features=None):
-    """Instruction-set flags for this CPU: AVX2 + FMA if it has both."""
+    """Instruction-set flags for this CPU: AVX2 + FMA if it has both, and
+    AVX-512 (F, BW, DQ, VL) on top if it has all four as well."""
     if platform.machine() not in ("x86_64", "AMD64"):
         return []
     features = cpu_features() if features is None else features
-    if all(feature in features for feature in _X86_FEATURES):
-        return list(_X86_FEATURES.values())
-    return []
+    flags = []
+    for tier in _X86_TIERS:
+        if not all(feature in features for feature in tier):
+            break
+        flags.extend(tier.values())
+    return flags
 
 
 def required_features(flags):
@@ -91,7 +107,7 @@ def headers():
 
 def fingerprint(tf_version, flags):
     """What a built library must match to be loaded: sources, TF, flags."""
-    digest = hashlib.sha256()
+    digest = hashlib.sha256(" ".join(BASE_FLAGS).encode())
     for path in sources() + headers():
         digest.update(os.path.basename(path).encode())
         with open(path, "rb") as file:
@@ -157,7 +173,7 @@ def build(force=False, jobs=None, log=print):
             raise BuildError(f"no kernel sources (*.cc) in {SOURCE_DIR}")
         compile_flags = tf.sysconfig.get_compile_flags()
         link_flags = tf.sysconfig.get_link_flags()
-        common = ["-O3", "-fPIC", "-Wno-deprecated-declarations", *flags, *compile_flags]
+        common = [*BASE_FLAGS, *flags, *compile_flags]
         start = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="tfgpt-kernels-") as scratch:
             objects = [os.path.join(scratch, os.path.basename(p)[:-3] + ".o") for p in paths]

@@ -5,6 +5,10 @@ import math
 import keras
 import tensorflow as tf
 
+from tfgpt.kernels.causal_attention_kernel import (
+    causal_attention,
+    causal_attention_available,
+)
 from tfgpt.kernels.causal_softmax_kernel import causal_softmax
 
 try:  # Private, long-stable TF API; without it every write takes the XLA op.
@@ -44,8 +48,11 @@ class CausalSelfAttention(keras.layers.Layer):
     heads at once (GPT-2's `c_attn`), each head of width
     `hidden_dim // num_heads`; a second projects the concatenated heads back
     (`c_proj`). Position i attends to positions <= i only. Softmax runs in
-    float32 under mixed precision; in training (no cache, no padding mask)
-    through `tfgpt.kernels.causal_softmax`, one fused pass each way on CPU.
+    float32 under mixed precision. Without a cache or padding mask, on CPU
+    with the fused kernels: in float32 (and without attention dropout in
+    training) the whole core is `tfgpt.kernels.causal_attention`, one
+    kernel each way; otherwise the softmax is
+    `tfgpt.kernels.causal_softmax`, one fused pass each way.
 
     With a cache, the layer writes this call's keys and values at
     `cache_index` and attends over every cached position up to the query's
@@ -126,6 +133,16 @@ class CausalSelfAttention(keras.layers.Layer):
         batch_size = tf.shape(inputs)[0]
         length = tf.shape(inputs)[1]
         qkv = self.query_key_value(inputs)  # (B, T, 3C)
+        if (
+            cache is None
+            and padding_mask is None
+            and not (training and self.dropout > 0)
+            and causal_attention_available(qkv.dtype)
+        ):
+            # Float32 on CPU: one fused kernel each way reads the heads out
+            # of the projection and skips the masked score blocks.
+            attended = causal_attention(qkv, self.num_heads)  # (B, T, C)
+            return self.output_projection(attended)  # (B, T, C)
         qkv = tf.reshape(
             qkv, [batch_size, length, 3, self.num_heads, self.head_dim]
         )  # (B, T, 3, H, D)
