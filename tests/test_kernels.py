@@ -16,6 +16,7 @@ import tensorflow as tf
 
 from tfgpt import kernels
 from tfgpt.kernels import build as kernel_build
+from tests.kernel_checks import gpt_loss_and_gradients, traced_op_types
 
 
 def _numpy_gelu(x, approximate):
@@ -98,7 +99,6 @@ def test_xla_disabled_and_environment_take_the_composite_ops(monkeypatch):
 @pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
 def test_gpt_training_gradients_equal_the_composite_path(policy):
     from tfgpt import GPT
-    from tfgpt.training.train_step import cross_entropy
 
     keras.config.set_dtype_policy(policy)
     try:
@@ -108,15 +108,10 @@ def test_gpt_training_gradients_equal_the_composite_path(policy):
         rng = np.random.default_rng(2)
         inputs = tf.constant(rng.integers(0, 50, (3, 12)).astype("int32"))
         targets = tf.constant(rng.integers(0, 50, (3, 12)).astype("int32"))
-
-        def loss_and_gradients():
-            with tf.GradientTape() as tape:
-                loss = cross_entropy(targets, model(inputs, training=True))
-            return loss, tape.gradient(loss, [v.value for v in model.trainable_variables])
-
+        loss_and_gradients = gpt_loss_and_gradients(model, inputs, targets)
         step = tf.function(loss_and_gradients)
         fused_loss, fused = step()
-        types = {op.type for op in step.get_concrete_function().graph.get_operations()}
+        types = traced_op_types(step)
         # Float32 attention is one fused kernel; in bfloat16 only its softmax is.
         attention = ("TfgptCausalAttention" if policy == "float32" else "TfgptCausalSoftmax")
         assert {"TfgptBiasGelu", "TfgptBiasGeluGrad", "TfgptLayerNorm", "TfgptLayerNormGrad",

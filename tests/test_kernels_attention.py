@@ -20,6 +20,7 @@ from tfgpt.kernels.causal_attention_kernel import (
     causal_attention,
     causal_attention_available,
 )
+from tests.kernel_checks import gpt_loss_and_gradients, traced_op_types
 
 FUSED_OPS = {"TfgptCausalAttention", "TfgptCausalAttentionGrad"}
 
@@ -198,7 +199,6 @@ def test_layer_takes_the_kernel_only_where_it_applies():
 
 def test_gpt_loss_gradients_and_generation_equal_the_composite_path():
     from tfgpt import GPT
-    from tfgpt.training.train_step import cross_entropy
 
     keras.utils.set_random_seed(4)
     # 70 positions: two query blocks, the second one partial.
@@ -208,19 +208,14 @@ def test_gpt_loss_gradients_and_generation_equal_the_composite_path():
     inputs = tf.constant(rng.integers(0, 50, (2, 70)).astype("int32"))
     targets = tf.constant(rng.integers(0, 50, (2, 70)).astype("int32"))
 
-    def loss_and_gradients():
-        with tf.GradientTape() as tape:
-            loss = cross_entropy(targets, model(inputs, training=True))
-        return loss, tape.gradient(loss, [v.value for v in model.trainable_variables])
-
+    loss_and_gradients = gpt_loss_and_gradients(model, inputs, targets)
     step = tf.function(loss_and_gradients)
     fused_loss, fused = step()
-    assert FUSED_OPS <= {op.type for op in step.get_concrete_function().graph.get_operations()}
+    assert FUSED_OPS <= traced_op_types(step)
     with kernels.disabled():
         composite_step = tf.function(loss_and_gradients)
         composite_loss, composite = composite_step()
-    assert not FUSED_OPS & {
-        op.type for op in composite_step.get_concrete_function().graph.get_operations()}
+    assert not FUSED_OPS & traced_op_types(composite_step)
     np.testing.assert_allclose(fused_loss, composite_loss, rtol=1e-5)
     for a, b in zip(fused, composite):
         np.testing.assert_allclose(tf.convert_to_tensor(a), tf.convert_to_tensor(b),

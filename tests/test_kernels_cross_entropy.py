@@ -6,6 +6,7 @@ import pytest
 import tensorflow as tf
 
 from tfgpt import kernels
+from tests.kernel_checks import gpt_loss_and_gradients
 from tfgpt.training.train_step import cross_entropy
 
 
@@ -89,12 +90,7 @@ def test_gpt_step_under_mixed_bfloat16_equals_the_composite_loss():
         rng = np.random.default_rng(3)
         inputs = tf.constant(rng.integers(0, 60, (2, 8)).astype("int32"))
         targets = tf.constant(rng.integers(0, 60, (2, 8)).astype("int32"))
-
-        def step():
-            with tf.GradientTape() as tape:
-                loss = cross_entropy(targets, model(inputs, training=True))
-            return loss, tape.gradient(loss, [v.value for v in model.trainable_variables])
-
+        step = gpt_loss_and_gradients(model, inputs, targets)
         fused_loss, fused = tf.function(step)()
         with kernels.disabled():
             reference_loss, reference = tf.function(step)()

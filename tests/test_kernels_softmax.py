@@ -15,6 +15,7 @@ import tensorflow as tf
 
 from tfgpt import kernels
 from tfgpt.kernels.causal_softmax_kernel import causal_bias, causal_softmax
+from tests.kernel_checks import gpt_loss_and_gradients, traced_op_types
 
 FUSED_OPS = {"TfgptCausalSoftmax", "TfgptCausalSoftmaxGrad"}
 
@@ -171,8 +172,6 @@ def _gpt(dropout=0.0):
 @pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
 @pytest.mark.parametrize("dropout", [0.0, 0.3])
 def test_gpt_loss_and_gradients_equal_the_composite_path(policy, dropout):
-    from tfgpt.training.train_step import cross_entropy
-
     keras.config.set_dtype_policy(policy)
     try:
         model = _gpt(dropout)
@@ -182,15 +181,10 @@ def test_gpt_loss_and_gradients_equal_the_composite_path(policy, dropout):
         # Dropout's seed state advances on every call: both paths start from
         # the same state so that they draw the same masks.
         seed_states = [v.numpy() for v in model.non_trainable_variables]
-
-        def loss_and_gradients():
-            with tf.GradientTape() as tape:
-                loss = cross_entropy(targets, model(inputs, training=True))
-            return loss, tape.gradient(loss, [v.value for v in model.trainable_variables])
-
+        loss_and_gradients = gpt_loss_and_gradients(model, inputs, targets)
         step = tf.function(loss_and_gradients)
         fused_loss, fused = step()
-        types = {op.type for op in step.get_concrete_function().graph.get_operations()}
+        types = traced_op_types(step)
         if policy == "float32" and dropout == 0.0:
             # The whole attention core is one kernel (tests/test_kernels_attention.py).
             assert {"TfgptCausalAttention", "TfgptCausalAttentionGrad"} <= types
@@ -201,8 +195,7 @@ def test_gpt_loss_and_gradients_equal_the_composite_path(policy, dropout):
         with kernels.disabled():
             composite_step = tf.function(loss_and_gradients)
             composite_loss, composite = composite_step()
-        composite_graph = composite_step.get_concrete_function().graph
-        assert not FUSED_OPS & {op.type for op in composite_graph.get_operations()}
+        assert not FUSED_OPS & traced_op_types(composite_step)
     finally:
         keras.config.set_dtype_policy("float32")
     tolerance = dict(rtol=1e-4, atol=1e-6) if policy == "float32" else dict(rtol=0.05, atol=3e-3)
