@@ -4,7 +4,9 @@ TensorFlow runs GELU, layer normalization and masked softmax as chains of
 small ops, each a pass over memory (and, under mixed precision, wrapped in
 bfloat16 <-> float32 casts); once the matmuls are fast (oneDNN, AMX in
 bfloat16) those chains take much of a CPU step. The kernels here do each of
-them, forward and backward, in one multi-threaded pass with float32 math.
+them, forward and backward, in one multi-threaded pass with float32 math;
+in float32, causal self-attention between its two projections is one
+kernel each way as well (`causal_attention`).
 They are C++ TensorFlow ops in `tfgpt/kernels/cc/`, compiled against the
 installed TensorFlow by `python -m tfgpt.kernels.build` (`make setup` runs
 it).
