@@ -3,19 +3,21 @@
 Usage:
     python -m tfgpt.kernels.build [--force] [--jobs N]
 
-Every `tfgpt/kernels/cc/*.cc` is compiled with the flags TensorFlow
-reports (`tf.sysconfig`) and linked into `tfgpt/kernels/_tfgpt_kernels.so`,
-next to a stamp (`_tfgpt_kernels.json`) that records what it was built
-from: the sha256 of the sources and of the headers they share (`cc/*.h`), the TensorFlow version and the instruction-set
-flags. `make setup` runs this; a second run with nothing changed is a
-no-op. `tfgpt.kernels` loads the library only while the stamp matches, and
+Every `tfgpt/kernels/cc/*.cc` is compiled with `BASE_FLAGS`, the
+instruction-set flags below and the flags TensorFlow reports
+(`tf.sysconfig`), and linked into `tfgpt/kernels/_tfgpt_kernels.so`, next
+to a stamp (`_tfgpt_kernels.json`) that records what it was built from:
+the sha256 of the base flags, the sources and the headers they share
+(`cc/*.h`), the TensorFlow version and the instruction-set flags. `make
+setup` runs this; a second run with nothing changed is a no-op.
+`tfgpt.kernels` loads the library only while the stamp matches, and
 otherwise falls back to TensorFlow's own (slower) ops with a warning.
 
 Instruction sets: AVX2 and FMA when this CPU has both (x86-64 machines of
 the last decade), plus AVX-512 F/BW/DQ/VL when it has those too, else the
-compiler's default. The stamp records the
-choice, and the loader refuses a library built for instructions the CPU
-it runs on lacks (a copied venv or Docker image), instead of crashing.
+compiler's default. The stamp records the choice, and the loader refuses a
+library built for instructions the CPU it runs on lacks (a copied venv or
+Docker image), instead of crashing.
 """
 
 import argparse
