@@ -146,6 +146,12 @@ def test_build_is_a_no_op_when_current_and_stale_after_a_source_change(tmp_path,
             file.write("\n")
         assert not kernel_build.is_current(tf.__version__, flags)
     assert not kernel_build.is_current("0.0.0", flags)
+    # Other base compiler flags (e.g. without -DNDEBUG) make it stale too.
+    monkeypatch.setattr(kernel_build, "SOURCE_DIR", original)
+    assert kernel_build.is_current(tf.__version__, flags)
+    monkeypatch.setattr(kernel_build, "BASE_FLAGS", [
+        flag for flag in kernel_build.BASE_FLAGS if flag != "-DNDEBUG"])
+    assert not kernel_build.is_current(tf.__version__, flags)
 
 
 def test_build_reports_a_compile_error(tmp_path, monkeypatch):
