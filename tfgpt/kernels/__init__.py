@@ -146,5 +146,5 @@ from tfgpt.kernels.causal_attention_kernel import causal_attention  # noqa: E402
 from tfgpt.kernels.cross_entropy_kernel import sparse_cross_entropy  # noqa: E402
 from tfgpt.kernels.gelu_kernel import gelu  # noqa: E402
 
-__all__ = ["bias_gelu", "causal_attention", "disabled", "gelu", "in_xla_context", "library", "sparse_cross_entropy",
-           "unavailable_reason", "use_fused"]
+__all__ = ["bias_gelu", "causal_attention", "disabled", "gelu", "in_xla_context", "library",
+           "sparse_cross_entropy", "unavailable_reason", "use_fused"]

@@ -130,8 +130,6 @@ class CausalSelfAttention(keras.layers.Layer):
             The output (B, T, C), and with a cache also the updated cache in
             the form it was given.
         """
-        batch_size = tf.shape(inputs)[0]
-        length = tf.shape(inputs)[1]
         qkv = self.query_key_value(inputs)  # (B, T, 3C)
         if (
             cache is None
@@ -143,6 +141,8 @@ class CausalSelfAttention(keras.layers.Layer):
             # of the projection and skips the masked score blocks.
             attended = causal_attention(qkv, self.num_heads)  # (B, T, C)
             return self.output_projection(attended)  # (B, T, C)
+        batch_size = tf.shape(inputs)[0]
+        length = tf.shape(inputs)[1]
         qkv = tf.reshape(
             qkv, [batch_size, length, 3, self.num_heads, self.head_dim]
         )  # (B, T, 3, H, D)

@@ -139,18 +139,33 @@ void ForEachHead(OpKernelContext* context, const Sizes& s, Fn fn) {
       });
 }
 
-class CausalAttentionOp : public OpKernel {
- public:
-  explicit CausalAttentionOp(OpKernelConstruction* context) : OpKernel(context) {
+// What both kernels share: the attributes, and the sizes of a projection
+// with the packed weights' length per (batch, head).
+class CausalAttentionKernel : public OpKernel {
+ protected:
+  explicit CausalAttentionKernel(OpKernelConstruction* context) : OpKernel(context) {
     OP_REQUIRES_OK(context, context->GetAttr("num_heads", &heads_));
     OP_REQUIRES_OK(context, context->GetAttr("block_size", &block_));
   }
 
+  Status Measure(const Tensor& qkv, Sizes* s, int64_t* packed) const {
+    TF_RETURN_IF_ERROR(CheckQkv(qkv.shape(), heads_, s));
+    *packed = PackedLength(s->length, block_);
+    return Status();
+  }
+
+  int64_t heads_, block_;
+};
+
+class CausalAttentionOp : public CausalAttentionKernel {
+ public:
+  explicit CausalAttentionOp(OpKernelConstruction* context) : CausalAttentionKernel(context) {}
+
   void Compute(OpKernelContext* context) override {
     const Tensor& qkv = context->input(0);
     Sizes s;
-    OP_REQUIRES_OK(context, CheckQkv(qkv.shape(), heads_, &s));
-    const int64_t packed = PackedLength(s.length, block_);
+    int64_t packed;
+    OP_REQUIRES_OK(context, Measure(qkv, &s, &packed));
     Tensor* output = nullptr;
     OP_REQUIRES_OK(context, context->allocate_output(
                                 0, TensorShape({s.batch, s.length, s.width}), &output));
@@ -165,10 +180,10 @@ class CausalAttentionOp : public OpKernel {
     const int64_t T = s.length, C = s.width, D = s.head_dim, block = block_;
     ForEachHead(context, s, [&](int64_t unit) {
       const int64_t b = unit / s.heads, h = unit % s.heads;
-      const float* base = in + b * T * 3 * C + h * D;
-      ConstStrided q(base, T, D, Eigen::OuterStride<>(3 * C));
-      ConstStrided k(base + C, T, D, Eigen::OuterStride<>(3 * C));
-      ConstStrided v(base + 2 * C, T, D, Eigen::OuterStride<>(3 * C));
+      const int64_t offset = b * T * 3 * C + h * D;
+      const Eigen::OuterStride<> stride(3 * C);
+      ConstStrided q(in + offset, T, D, stride), k(in + offset + C, T, D, stride),
+          v(in + offset + 2 * C, T, D, stride);
       Strided o(out + b * T * C + h * D, T, D, Eigen::OuterStride<>(C));
       float* p = w + unit * packed;
       for (int64_t r0 = 0; r0 < T; r0 += block) {
@@ -188,25 +203,20 @@ class CausalAttentionOp : public OpKernel {
       }
     });
   }
-
- private:
-  int64_t heads_, block_;
 };
 
-class CausalAttentionGradOp : public OpKernel {
+class CausalAttentionGradOp : public CausalAttentionKernel {
  public:
-  explicit CausalAttentionGradOp(OpKernelConstruction* context) : OpKernel(context) {
-    OP_REQUIRES_OK(context, context->GetAttr("num_heads", &heads_));
-    OP_REQUIRES_OK(context, context->GetAttr("block_size", &block_));
-  }
+  explicit CausalAttentionGradOp(OpKernelConstruction* context)
+      : CausalAttentionKernel(context) {}
 
   void Compute(OpKernelContext* context) override {
     const Tensor& doutput = context->input(0);
     const Tensor& qkv = context->input(1);
     const Tensor& weights = context->input(2);
     Sizes s;
-    OP_REQUIRES_OK(context, CheckQkv(qkv.shape(), heads_, &s));
-    const int64_t packed = PackedLength(s.length, block_);
+    int64_t packed;
+    OP_REQUIRES_OK(context, Measure(qkv, &s, &packed));
     OP_REQUIRES(context, doutput.shape() == TensorShape({s.batch, s.length, s.width}),
                 absl::InvalidArgumentError(absl::StrCat(
                     "doutput must be (B, T, C) = (", s.batch, ", ", s.length, ", ", s.width,
@@ -257,9 +267,6 @@ class CausalAttentionGradOp : public OpKernel {
       }
     });
   }
-
- private:
-  int64_t heads_, block_;
 };
 
 REGISTER_KERNEL_BUILDER(Name("TfgptCausalAttention").Device(DEVICE_CPU), CausalAttentionOp);
