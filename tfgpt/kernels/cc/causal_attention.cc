@@ -129,6 +129,16 @@ Status CheckQkv(const TensorShape& shape, int64_t heads, Sizes* sizes) {
   return Status();
 }
 
+// The (T, D) view of head `unit % H` of batch `unit / H`: in a (B, T, 3C)
+// projection (parts = 3) its queries, keys or values (part 0, 1, 2), in a
+// (B, T, C) tensor (parts = 1) its slice of the heads side by side.
+template <typename Map, typename Pointer>
+Map HeadView(Pointer data, int64_t unit, const Sizes& s, int64_t parts, int64_t part) {
+  const int64_t b = unit / s.heads, h = unit % s.heads;
+  return Map(data + (b * s.length * parts + part) * s.width + h * s.head_dim, s.length,
+             s.head_dim, Eigen::OuterStride<>(parts * s.width));
+}
+
 // Runs fn(unit) for every (batch, head) unit on the op's thread pool.
 template <typename Fn>
 void ForEachHead(OpKernelContext* context, const Sizes& s, Fn fn) {
@@ -177,14 +187,12 @@ class CausalAttentionOp : public CausalAttentionKernel {
     float* out = output->flat<float>().data();
     float* w = weights->flat<float>().data();
     const float scale = 1.0f / std::sqrt(static_cast<float>(s.head_dim));
-    const int64_t T = s.length, C = s.width, D = s.head_dim, block = block_;
+    const int64_t T = s.length, block = block_;
     ForEachHead(context, s, [&](int64_t unit) {
-      const int64_t b = unit / s.heads, h = unit % s.heads;
-      const int64_t offset = b * T * 3 * C + h * D;
-      const Eigen::OuterStride<> stride(3 * C);
-      ConstStrided q(in + offset, T, D, stride), k(in + offset + C, T, D, stride),
-          v(in + offset + 2 * C, T, D, stride);
-      Strided o(out + b * T * C + h * D, T, D, Eigen::OuterStride<>(C));
+      const auto q = HeadView<ConstStrided>(in, unit, s, 3, 0);
+      const auto k = HeadView<ConstStrided>(in, unit, s, 3, 1);
+      const auto v = HeadView<ConstStrided>(in, unit, s, 3, 2);
+      auto o = HeadView<Strided>(out, unit, s, 1, 0);
       float* p = w + unit * packed;
       for (int64_t r0 = 0; r0 < T; r0 += block) {
         const int64_t r1 = std::min(T, r0 + block), rows = r1 - r0;
@@ -234,16 +242,15 @@ class CausalAttentionGradOp : public CausalAttentionKernel {
     const float* w = weights.flat<float>().data();
     float* dx = dqkv->flat<float>().data();
     const float scale = 1.0f / std::sqrt(static_cast<float>(s.head_dim));
-    const int64_t T = s.length, C = s.width, D = s.head_dim, block = block_;
+    const int64_t T = s.length, block = block_;
     ForEachHead(context, s, [&](int64_t unit) {
-      const int64_t b = unit / s.heads, h = unit % s.heads;
-      const int64_t offset = b * T * 3 * C + h * D;
-      const Eigen::OuterStride<> stride(3 * C);
-      ConstStrided q(in + offset, T, D, stride), k(in + offset + C, T, D, stride),
-          v(in + offset + 2 * C, T, D, stride);
-      Strided dq(dx + offset, T, D, stride), dk(dx + offset + C, T, D, stride),
-          dv(dx + offset + 2 * C, T, D, stride);
-      ConstStrided dout(dy + b * T * C + h * D, T, D, Eigen::OuterStride<>(C));
+      const auto q = HeadView<ConstStrided>(in, unit, s, 3, 0);
+      const auto k = HeadView<ConstStrided>(in, unit, s, 3, 1);
+      const auto v = HeadView<ConstStrided>(in, unit, s, 3, 2);
+      auto dq = HeadView<Strided>(dx, unit, s, 3, 0);
+      auto dk = HeadView<Strided>(dx, unit, s, 3, 1);
+      auto dv = HeadView<Strided>(dx, unit, s, 3, 2);
+      const auto dout = HeadView<ConstStrided>(dy, unit, s, 1, 0);
       dk.setZero();
       dv.setZero();
       std::vector<float> scratch(std::min(block, T) * T);
