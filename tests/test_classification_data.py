@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from tfgpt.tasks.classification import encode_classification, read_classification_file
+from tfgpt.finetuning.classification import encode_classification, read_classification_file
 
 
 class CharacterTokenizer:

@@ -19,7 +19,7 @@ import torch
 import transformers
 
 from tfgpt import GPT
-from tfgpt.checkpoint import load_model, save_model
+from tfgpt.loading import load_model, save_model
 from tfgpt.convert import load_gpt2_checkpoint, main, save_gpt2_checkpoint
 from tfgpt.tokenizers import BytePairTokenizer
 

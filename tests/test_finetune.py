@@ -221,8 +221,8 @@ def _recomputed_predictions(out, examples, version, config):
 
     from tfgpt.models.bert import BertBackbone
     from tfgpt.models.span_question_answerer import SpanQuestionAnswerer
-    from tfgpt.tasks.offset_tokenizer import OffsetTokenizer
-    from tfgpt.tasks.squad import postprocess_predictions, squad_features
+    from tfgpt.finetuning.offset_tokenizer import OffsetTokenizer
+    from tfgpt.finetuning.squad import postprocess_predictions, squad_features
 
     saved = json.loads((out / "config.json").read_text())
     model = SpanQuestionAnswerer(BertBackbone(**saved["model"]))
@@ -242,8 +242,8 @@ def _recomputed_predictions(out, examples, version, config):
 @pytest.mark.slow
 @pytest.mark.parametrize("version", ["1.1", "v2.0"])
 def test_squad_end_to_end_scores_equal_the_official_metrics(encoder_run, tmp_path, version):
-    from tfgpt.tasks.squad import gold_answers, read_squad
-    from tfgpt.tasks.squad_metrics import squad_scores
+    from tfgpt.finetuning.squad import gold_answers, read_squad
+    from tfgpt.finetuning.squad_metrics import squad_scores
 
     train_file = squad_file(tmp_path / "train.json", 40, seed=1, version=version)
     dev_file = squad_file(tmp_path / "dev.json", 12, seed=2, version=version)
@@ -492,7 +492,7 @@ def test_offset_tokenizer_ids_equal_the_pipeline_tokenizer_and_offsets_cover_the
     encoder_run, tmp_path
 ):
     from pipelines.tokenizer import Tokenizer
-    from tfgpt.tasks.offset_tokenizer import OffsetTokenizer
+    from tfgpt.finetuning.offset_tokenizer import OffsetTokenizer
 
     tokenizer = OffsetTokenizer.load(str(encoder_run))
     reference = Tokenizer.load(str(encoder_run))

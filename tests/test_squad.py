@@ -6,14 +6,14 @@ import re
 import numpy as np
 import pytest
 
-from tfgpt.tasks.squad import (
+from tfgpt.finetuning.squad import (
     SquadExample,
     gold_answers,
     postprocess_predictions,
     read_squad,
     squad_features,
 )
-from tfgpt.tasks.squad_metrics import exact_match_score, f1_score, normalize_answer, squad_scores
+from tfgpt.finetuning.squad_metrics import exact_match_score, f1_score, normalize_answer, squad_scores
 
 
 class WordTokenizer:

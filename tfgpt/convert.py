@@ -27,7 +27,7 @@ import sys
 
 import numpy as np
 
-from tfgpt.checkpoint import check_tokenizer_matches_model
+from tfgpt.loading import check_tokenizer_matches_model
 from tfgpt.config import GPTConfig
 from tfgpt.models.gpt import GPT
 from tfgpt.tokenizers.byte_pair_tokenizer import BytePairTokenizer
@@ -310,13 +310,13 @@ def main(argv=None):
         command.add_argument("output", help="directory to write")
     args = parser.parse_args(argv)
 
-    from tfgpt import checkpoint
+    from tfgpt import loading
 
     if args.command == "to-tfgpt":
         model, tokenizer = load_gpt2_checkpoint(args.source)
         checkpoint.save_model(args.output, model, tokenizer)
     else:
-        model, tokenizer = checkpoint.load_model(args.source)
+        model, tokenizer = loading.load_model(args.source)
         if not isinstance(tokenizer, BytePairTokenizer):
             print(
                 "note: the tokenizer is not GPT-2's byte-level BPE; only the "

@@ -35,7 +35,7 @@ import sys
 
 import tensorflow as tf
 
-from tfgpt import generation, kernels
+from tfgpt import decoding, kernels
 
 
 class GenerationModule(tf.Module):
@@ -47,7 +47,7 @@ class GenerationModule(tf.Module):
             `pipelines.tokenizer.Tokenizer`) and `eos_id`.
         max_new_tokens: int. New tokens per prompt.
         temperature, top_k, top_p, seed: the decoding settings of
-            `tfgpt.generation.generate` (`seed` must be an int here).
+            `tfgpt.decoding.generate` (`seed` must be an int here).
         stop_at_eos: bool. End a row at the tokenizer's end-of-text id.
         jit_compile: bool. Compile the decode loop (not the tokenizer) with XLA.
     """
@@ -68,7 +68,7 @@ class GenerationModule(tf.Module):
         if seed is None:
             raise ValueError("An export needs a fixed `seed`. Received: seed=None")
         # A one-token prompt must fit with the new tokens.
-        generation.validate_arguments(model, [[0]], max_new_tokens, temperature, top_k, top_p, seed)
+        decoding.validate_arguments(model, [[0]], max_new_tokens, temperature, top_k, top_p, seed)
         self.model = model
         self.tokenizer = tokenizer.tf_tokenizer()
         eos_id = tokenizer.eos_id if tokenizer.eos_id is not None else -1
@@ -81,7 +81,7 @@ class GenerationModule(tf.Module):
         stop_token_ids = [eos_id] if stop_at_eos and eos_id >= 0 else []
 
         def run_decoder(token_ids, prompt_lengths):
-            return generation.decode(
+            return decoding.decode(
                 self.model,
                 token_ids,
                 prompt_lengths,
@@ -197,7 +197,7 @@ def main(argv=None):
     parser.add_argument("--xla", action="store_true")
     args = parser.parse_args(argv)
 
-    from tfgpt.checkpoint import load_model
+    from tfgpt.loading import load_model
 
     model, tokenizer = load_model(args.checkpoint)
     if tokenizer is None:

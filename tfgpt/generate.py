@@ -16,7 +16,7 @@ import argparse
 import sys
 import time
 
-from tfgpt.checkpoint import load_model
+from tfgpt.loading import load_model
 
 
 def parse_args(argv=None):

@@ -11,7 +11,8 @@ import sys
 import numpy as np
 
 from tfgpt.distributed.horovod_bridge import HorovodDistribution
-from tfgpt.training import tasks
+from tfgpt.config import family_of_preset
+from tfgpt.training import objectives
 from tfgpt.training.flags import parse_flags
 from tfgpt.training.trainer import train
 
@@ -23,8 +24,8 @@ def main(out, argv):
     )
     distribution.configure_devices(train_config.intra_op_threads)
     model, metrics = train(train_config, model_overrides, distribution)
-    task = tasks.make_task(tasks.resolve_task(train_config.task, train_config.preset),
-                           tasks.family_of_preset(train_config.preset))
+    family = family_of_preset(train_config.preset)
+    task = objectives.make_task(family.resolve_task(train_config.task), family.name)
     first_inputs, _ = next(iter(task.dataset(
         train_config.data, "train", train_config.batch_size, seed=train_config.seed,
         num_shards=distribution.size, shard_index=distribution.rank)))

@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 
-from tfgpt import finetuning
+from tfgpt.finetuning import core as finetuning
 
 
 def main(front_end, out, argv):

@@ -5,7 +5,7 @@ import dataclasses
 import keras
 import tensorflow as tf
 
-from tfgpt import generation
+from tfgpt import decoding
 from tfgpt.config import GPTConfig, validate_gpt_config
 from tfgpt.layers.layer_norm import LayerNorm
 from tfgpt.layers.token_and_position_embedding import TokenAndPositionEmbedding
@@ -164,7 +164,7 @@ class GPT(TrackedBlocks, keras.Model):
                 (B, H, S, D) tensors. When given, the updated cache, in the
                 same form, is returned after the logits. The list of pairs
                 spares a decoding loop from slicing and re-stacking the whole
-                cache at every step (`tfgpt.generation` uses it).
+                cache at every step (`tfgpt.decoding` uses it).
             cache_index: position of `token_ids[:, 0]` in the cache.
             positions: optional explicit positions (B, T) for left padding.
             training: bool. Enables dropout.
@@ -232,7 +232,7 @@ class GPT(TrackedBlocks, keras.Model):
         list of lists of ids (rows may differ in length), a RaggedTensor or a
         2-D array with an optional `padding_mask`. A row ends at the first of
         `stop_token_ids`, which is not returned. Uses the key/value cache and
-        one compiled decode loop; see `tfgpt.generation.generate`.
+        one compiled decode loop; see `tfgpt.decoding.generate`.
 
         Returns:
             list of lists of int, one per prompt (with `return_logits`, also
@@ -243,7 +243,7 @@ class GPT(TrackedBlocks, keras.Model):
         >>> len(model.generate([[1, 2, 3]], max_new_tokens=5)[0])
         5
         """
-        return generation.generate(
+        return decoding.generate(
             self,
             prompt_ids,
             max_new_tokens,

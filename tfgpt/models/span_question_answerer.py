@@ -12,9 +12,9 @@ class SpanQuestionAnswerer(keras.Model):
     """Predicts the answer span of a question in a passage (SQuAD).
 
     The input is `[CLS] question [SEP] passage [SEP]` with segment ids 0 then
-    1 (`tfgpt.tasks.squad.squad_features` builds it); a `SpanHead` scores
+    1 (`tfgpt.finetuning.squad.squad_features` builds it); a `SpanHead` scores
     each token as start and as end (Devlin et al. 2019, Section 4.2).
-    `tfgpt.tasks.squad.postprocess_predictions` turns the logits into text.
+    `tfgpt.finetuning.squad.postprocess_predictions` turns the logits into text.
 
     Args:
         backbone: BertBackbone or AlbertBackbone.

@@ -10,7 +10,7 @@ import argparse
 import dataclasses
 import typing
 
-from tfgpt.config import AlbertConfig, BertConfig, GPTConfig, TrainConfig
+from tfgpt.config import AlbertConfig, BertConfig, GPTConfig, TrainConfig, family_of_preset
 
 MODEL_CONFIGS = (GPTConfig, BertConfig, AlbertConfig)
 
@@ -80,18 +80,16 @@ def parse_flags(argv=None, description="Train a GPT.", add_arguments=None):
         if key not in train_fields and value is not None
     }
     try:
-        from tfgpt.training.tasks import config_class, family_of_preset, resolve_task
-
         train_config = TrainConfig(**train_args)
         family = family_of_preset(train_config.preset)
-        resolve_task(train_config.task, train_config.preset)
-        cls = config_class(family)
+        family.resolve_task(train_config.task)
+        cls = family.config_class
         fields = {field.name for field in dataclasses.fields(cls)}
         for name in model_overrides:
             if name not in fields:
                 raise ValueError(
                     f"--{name.replace('_', '-')} is not a {cls.__name__} field "
-                    f"(--preset {train_config.preset} is a {family} model)"
+                    f"(--preset {train_config.preset} is a {family.name} model)"
                 )
         cls.from_preset(train_config.preset, **model_overrides)
     except ValueError as error:

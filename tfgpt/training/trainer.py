@@ -17,7 +17,8 @@ import numpy as np
 import tensorflow as tf
 
 from pipelines import reader
-from tfgpt.training import flops, tasks
+from tfgpt.config import FAMILIES, family_of_preset
+from tfgpt.training import flops, objectives
 from tfgpt.training.checkpointing import Checkpointer, read_config
 from tfgpt.layers.transformer_block import set_recompute
 from tfgpt.training.optimizers import make_optimizer
@@ -43,7 +44,7 @@ def resolve_model_config(train_config, model_overrides, manifest, family, saved=
     it. When resuming, the architecture comes from the checkpoint's
     config.json and a flag that contradicts it is an error.
     """
-    cls = tasks.config_class(family)
+    cls = FAMILIES[family].config_class
     data_vocabulary = manifest["tokenizer"]["vocabulary_size"]
     if saved is not None:
         for name, value in model_overrides.items():
@@ -164,8 +165,8 @@ def train(train_config, model_overrides, distribution):
     # Config: from the preset, the flags, the data and (resuming) the checkpoint.
     out = train_config.out
     manifest = reader.load_manifest(train_config.data)
-    family = tasks.family_of_preset(train_config.preset)
-    task = tasks.make_task(tasks.resolve_task(train_config.task, train_config.preset), family)
+    family = family_of_preset(train_config.preset).name
+    task = objectives.make_task(FAMILIES[family].resolve_task(train_config.task), family)
     data_format = manifest.get("format", reader.PACKED_FORMAT)
     if data_format != task.data_format:
         hint = " (prepare it with --format encoder)" if task.name != "clm" else ""
@@ -208,7 +209,7 @@ def train(train_config, model_overrides, distribution):
     keras.utils.set_random_seed(train_config.seed)
     keras.config.set_dtype_policy(_POLICIES[train_config.mixed_precision])
     with distribution.scope():
-        model = tasks.build_model(family, model_config)
+        model = objectives.build_model(family, model_config)
         # Optimizer.
         optimizer = distribution.configure_optimizer(
             make_optimizer(train_config, distribution.size)

@@ -1,8 +1,8 @@
 """Token ids with the characters each token covers, for SQuAD and classification.
 
-`tfgpt.tasks.squad.squad_features` needs `encode_with_offsets(text)` and
+`tfgpt.finetuning.squad.squad_features` needs `encode_with_offsets(text)` and
 the `cls_id`, `sep_id` and `pad_id` of the encoder's tokenizer;
-`tfgpt.tasks.classification.encode_classification` needs `encode(text)`
+`tfgpt.finetuning.classification.encode_classification` needs `encode(text)`
 and the same ids. `OffsetTokenizer.load(path)` provides both for the
 tokenizers an encoder can come with:
 

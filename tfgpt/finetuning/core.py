@@ -19,14 +19,14 @@ Where the encoder comes from (`--init`):
 
 The tokenizer is the init directory's (`tokenizer.model`, `spiece.model`
 or `vocab.txt`) unless `--tokenizer` names one; see
-`tfgpt.tasks.offset_tokenizer`.
+`tfgpt.finetuning.offset_tokenizer`.
 
 Evaluation at the end reads the whole validation file. Each worker
 predicts its share of it (record or question i goes to worker
 i mod workers); the predictions are gathered on every worker through the
 distribution's `allreduce_mean` (see `gather_objects`), and accuracy, or
 exact match and F1 to the official SQuAD definitions
-(`tfgpt.tasks.squad_metrics`), are computed over all of them. The chief
+(`tfgpt.finetuning.squad_metrics`), are computed over all of them. The chief
 writes `predictions.json` and `eval_results.json` into `--out`.
 
 Example:
@@ -370,7 +370,7 @@ def parse_flags(argv=None, description="Fine-tune an encoder.", add_arguments=No
 
 def infer_labels(path):
     """The distinct labels of a classification file, sorted (see `FinetuneConfig.labels`)."""
-    from tfgpt.tasks import classification
+    from tfgpt.finetuning import classification
 
     extension = os.path.splitext(path)[1].lower()
     if extension == ".tsv":
@@ -407,8 +407,8 @@ def read_task_files(config, labels=None):
     tokenized. Errors name the file and line (classification) or the
     question id (SQuAD).
     """
-    from tfgpt.tasks.classification import read_classification_file
-    from tfgpt.tasks.squad import read_squad
+    from tfgpt.finetuning.classification import read_classification_file
+    from tfgpt.finetuning.squad import read_squad
 
     if config.task == "classification":
         labels = labels or config.declared_labels() or infer_labels(config.train_file)
@@ -428,8 +428,8 @@ def read_task_files(config, labels=None):
 
 def encode_training_records(config, train, tokenizer):
     """Token ids and labels of the training set: (inputs dict, labels)."""
-    from tfgpt.tasks.classification import encode_classification
-    from tfgpt.tasks.squad import squad_features
+    from tfgpt.finetuning.classification import encode_classification
+    from tfgpt.finetuning.squad import squad_features
 
     if config.task == "classification":
         texts, label_ids = train
@@ -685,7 +685,7 @@ def predict_batches(model, inputs, batch_size, xla):
 
 def evaluate_classification(model, config, tokenizer, validation, labels, distribution):
     """`(predicted labels in file order, metrics)`; each worker predicts its share."""
-    from tfgpt.tasks.classification import encode_classification
+    from tfgpt.finetuning.classification import encode_classification
 
     texts, gold = validation
     mine = list(range(distribution.rank, len(texts), distribution.num_workers))
@@ -707,8 +707,8 @@ def evaluate_classification(model, config, tokenizer, validation, labels, distri
 
 def evaluate_squad(model, config, tokenizer, examples, version, distribution):
     """`({question id: answer}, metrics)`; each worker predicts its share of the questions."""
-    from tfgpt.tasks.squad import gold_answers, postprocess_predictions, squad_features
-    from tfgpt.tasks.squad_metrics import squad_scores
+    from tfgpt.finetuning.squad import gold_answers, postprocess_predictions, squad_features
+    from tfgpt.finetuning.squad_metrics import squad_scores
 
     mine = examples[distribution.rank :: distribution.num_workers]
     predictions = {}
@@ -749,7 +749,7 @@ def _resolve_steps(config, num_records, global_batch):
 
 
 def _load_tokenizer(config, resume_directory=None):
-    from tfgpt.tasks.offset_tokenizer import OffsetTokenizer
+    from tfgpt.finetuning.offset_tokenizer import OffsetTokenizer
 
     source = resume_directory or config.tokenizer or config.init
     return OffsetTokenizer.load(source)
@@ -757,7 +757,7 @@ def _load_tokenizer(config, resume_directory=None):
 
 def _copy_tokenizer(tokenizer, out):
     """Copies the tokenizer (and Hugging Face's casing file) into the run directory."""
-    from tfgpt.tasks.offset_tokenizer import TOKENIZER_CONFIG_FILE
+    from tfgpt.finetuning.offset_tokenizer import TOKENIZER_CONFIG_FILE
 
     target = os.path.join(out, os.path.basename(tokenizer.path))
     if os.path.abspath(tokenizer.path) != os.path.abspath(target):

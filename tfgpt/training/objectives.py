@@ -17,68 +17,16 @@ import numpy as np
 import tensorflow as tf
 
 from pipelines import encoder_data, reader
-from tfgpt.config import (  # noqa: F401  (TASKS is re-exported)
-    ALBERT_PRESETS,
-    BERT_PRESETS,
-    GPT_PRESETS,
-    AlbertConfig,
-    BertConfig,
-    GPTConfig,
-    TASKS,
-)
+from tfgpt.config import FAMILIES
 from tfgpt.training.train_step import cross_entropy
-
-FAMILIES = {
-    "gpt": (GPTConfig, GPT_PRESETS),
-    "bert": (BertConfig, BERT_PRESETS),
-    "albert": (AlbertConfig, ALBERT_PRESETS),
-}
-_FAMILY_TASKS = {
-    "gpt": ("clm",),
-    "bert": ("mlm+nsp", "mlm"),
-    "albert": ("mlm+sop", "mlm"),
-}
-
-
-def family_of_preset(preset):
-    """Returns "gpt", "bert" or "albert" for a preset name."""
-    for family, (_, presets) in FAMILIES.items():
-        if preset in presets:
-            return family
-    known = sorted(name for _, presets in FAMILIES.values() for name in presets)
-    raise ValueError(
-        f"Unknown preset. Received: preset={preset!r}. Expected one of: {', '.join(known)}"
-    )
-
-
-def config_class(family):
-    return FAMILIES[family][0]
-
-
-def resolve_task(task, preset):
-    """Returns the concrete task for `--task` and `--preset`, or raises."""
-    family = family_of_preset(preset)
-    if task == "auto":
-        return _FAMILY_TASKS[family][0]
-    if task not in _FAMILY_TASKS[family]:
-        raise ValueError(
-            f"--task {task} does not train a {family} model (--preset {preset}); "
-            f"it takes --task {' or '.join(_FAMILY_TASKS[family])}"
-        )
-    return task
 
 
 def build_model(family, config, dtype=None):
-    """The model for `family` from its config dataclass."""
-    from tfgpt.models.albert import Albert
-    from tfgpt.models.bert import Bert
-    from tfgpt.models.gpt import GPT
-
-    cls = {"gpt": GPT, "bert": Bert, "albert": Albert}[family]
+    """The pretraining model of `family` (a name) from its config dataclass."""
     kwargs = dataclasses.asdict(config)
     if dtype is not None:
         kwargs["dtype"] = dtype
-    return cls(**kwargs)
+    return FAMILIES[family].pretraining_class()(**kwargs)
 
 
 class CausalLanguageModelling:

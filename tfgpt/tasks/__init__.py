@@ -1,1 +1,0 @@
-"""Fine-tuning tasks: data readers, featurizers and metrics (SQuAD, classification)."""
