@@ -20,7 +20,12 @@ import transformers
 
 from tfgpt import GPT
 from tfgpt.loading import load_model, save_model
-from tfgpt.convert import load_gpt2_checkpoint, main, save_gpt2_checkpoint
+from tfgpt.convert import (
+    gpt2_config_from_model,
+    load_gpt2_checkpoint,
+    main,
+    save_gpt2_checkpoint,
+)
 from tfgpt.tokenizers import BytePairTokenizer
 
 # Logits of float32 PyTorch and TensorFlow agree to rounding; the largest
@@ -236,6 +241,9 @@ def test_cli_round_trip_through_a_tfgpt_directory(tmp_path, bpe_files, capsys):
     assert (tmp_path / "back" / "merges.txt").exists()
     back = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "back")).eval()
     assert np.abs(torch_logits(back, ids) - torch_logits(reference, ids)).max() < ATOL
+    # GPT-2's own convention: <|endoftext|> begins and ends a text.
+    end_of_text = reference_tokenizer(source).convert_tokens_to_ids("<|endoftext|>")
+    assert back.config.bos_token_id == back.config.eos_token_id == end_of_text
 
 
 # ---- tfgpt run directories ----------------------------------------------------
@@ -274,6 +282,55 @@ def test_load_model_reads_a_trainer_run_directory(tmp_path):
     config_path.write_text(json.dumps({"model": {**config, "vocabulary_size": 300}}))
     with pytest.raises(ValueError, match=r"tokenizer vocabulary size=320.*vocabulary_size=300"):
         load_model(str(tmp_path / "run"))
+
+
+def sentencepiece_run(directory, vocabulary_size):
+    """A trainer-style run directory: config.json, ckpt-1, tokenizer.model."""
+    from pipelines.tokenizer import train_tokenizer
+    from tfgpt.training.checkpointing import Checkpointer
+
+    documents = [f"document {i}: the quick brown fox, {i * 7} jumps." for i in range(50)]
+    tokenizer_path = str(directory / "data.model")
+    sentencepiece = train_tokenizer(documents, vocabulary_size, tokenizer_path, num_threads=1)
+    config = dict(
+        vocabulary_size=vocabulary_size, num_layers=2, num_heads=2, hidden_dim=16,
+        intermediate_dim=36, max_sequence_length=12,
+    )
+    model = GPT(**config)
+    for index, weight in enumerate(model.weights):
+        weight.assign(np.random.default_rng(index).normal(0.0, 0.3, weight.shape))
+    checkpointer = Checkpointer(
+        str(directory / "run"), is_chief=True, model=model, step=tf.Variable(1, dtype=tf.int64)
+    )
+    checkpointer.write_run_files({"model": config, "train": {"steps": 1}}, tokenizer_path)
+    checkpointer.save(1)
+    return directory / "run", model, sentencepiece
+
+
+def test_exported_sentencepiece_run_carries_its_own_token_ids(tmp_path, capfd):
+    run_dir, model, sentencepiece = sentencepiece_run(tmp_path, vocabulary_size=320)
+    main(["to-gpt2", str(run_dir), str(tmp_path / "gpt2")])
+    capfd.readouterr()
+    written = json.loads((tmp_path / "gpt2" / "config.json").read_text())
+    reference = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "gpt2")).eval()
+    load_messages = capfd.readouterr().err
+    # The run's tokenizer ends documents with eos 2 and has no bos (-1).
+    assert sentencepiece.eos_id == 2 and sentencepiece.bos_id == -1
+    assert written["eos_token_id"] == reference.config.eos_token_id == sentencepiece.eos_id
+    assert written["bos_token_id"] is None and reference.config.bos_token_id is None
+    assert 0 <= reference.config.eos_token_id < reference.config.vocab_size == 320
+    assert "token_id" not in load_messages, load_messages
+    ids = np.random.default_rng(3).integers(0, 320, (2, 12))
+    assert np.abs(model(ids).numpy() - torch_logits(reference, ids)).max() < ATOL
+
+
+def test_token_id_outside_the_vocabulary_is_rejected():
+    model = GPT(
+        vocabulary_size=31, num_layers=2, num_heads=2, hidden_dim=8,
+        intermediate_dim=16, max_sequence_length=8,
+    )
+    with pytest.raises(ValueError, match="eos_id=50256"):
+        gpt2_config_from_model(model, eos_id=50256)
 
 
 # ---- Bad input ------------------------------------------------------------------

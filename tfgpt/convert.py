@@ -86,8 +86,35 @@ def gpt_config_from_gpt2(gpt2_config):
     )
 
 
-def gpt2_config_from_model(model, eos_id=None):
-    """Returns the GPT-2 `config.json` dict describing `model`."""
+def special_token_ids(tokenizer):
+    """`(bos_id, eos_id)` of `tokenizer` for GPT-2's `config.json`.
+
+    GPT-2's byte-level BPE uses `<|endoftext|>` for both. A SentencePiece
+    tokenizer (`pipelines.tokenizer.Tokenizer`) has its own ids: tfgpt's
+    runs train theirs with eos 2 and no bos (`bos_id` -1). An id the
+    tokenizer lacks, or no tokenizer, is None.
+    """
+    if tokenizer is None:
+        return None, None
+    if isinstance(tokenizer, BytePairTokenizer):
+        return tokenizer.eos_id, tokenizer.eos_id
+    bos, eos = tokenizer.bos_id, tokenizer.eos_id
+    return (bos if bos >= 0 else None), (eos if eos >= 0 else None)
+
+
+def gpt2_config_from_model(model, bos_id=None, eos_id=None):
+    """Returns the GPT-2 `config.json` dict describing `model`.
+
+    `bos_token_id` and `eos_token_id` are always written, as null when
+    None: left out, `transformers.GPT2Config` would fill in GPT-2's 50256,
+    which lies outside a smaller vocabulary.
+    """
+    for name, token_id in (("bos_id", bos_id), ("eos_id", eos_id)):
+        if token_id is not None and not 0 <= token_id < model.vocabulary_size:
+            raise ValueError(
+                f"`{name}` must be an id of the model's vocabulary (0 to "
+                f"{model.vocabulary_size - 1}). Received: {name}={token_id}"
+            )
     if not model.norm_first:
         raise ValueError(
             "GPT-2 is a pre-layer-norm network; a post-layer-norm model has no "
@@ -111,9 +138,9 @@ def gpt2_config_from_model(model, eos_id=None):
         "scale_attn_weights": True,
         "scale_attn_by_inverse_layer_idx": False,
         "reorder_and_upcast_attn": False,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
     }
-    if eos_id is not None:
-        config["bos_token_id"] = config["eos_token_id"] = eos_id
     return config
 
 
@@ -185,18 +212,16 @@ def load_gpt2_checkpoint(directory, dtype=None, load_tokenizer=True):
 def save_gpt2_checkpoint(model, directory, tokenizer=None):
     """Writes `model` as a Hugging Face GPT-2 checkpoint directory.
 
-    Writes `config.json` and `model.safetensors` (float32, the tied output
+    Writes `config.json` (with the tokenizer's bos and eos ids,
+    `special_token_ids`) and `model.safetensors` (float32, the tied output
     projection omitted as `save_pretrained` does) and, given a
-    `BytePairTokenizer`, `vocab.json` and `merges.txt`.
+    `BytePairTokenizer`, `vocab.json` and `merges.txt`. A SentencePiece
+    tokenizer has no GPT-2 files: only its ids are written.
     """
     from safetensors.numpy import save_file
 
-    if tokenizer is not None and not isinstance(tokenizer, BytePairTokenizer):
-        raise ValueError(
-            "Only a GPT-2 byte-level BPE tokenizer can be written in GPT-2's "
-            f"layout. Received: tokenizer of type {type(tokenizer).__name__}"
-        )
-    config = gpt2_config_from_model(model, eos_id=getattr(tokenizer, "eos_id", None))
+    bos_id, eos_id = special_token_ids(tokenizer)
+    config = gpt2_config_from_model(model, bos_id=bos_id, eos_id=eos_id)
     os.makedirs(directory, exist_ok=True)
     tensors = {}
     for name, variable, transpose in weight_map(model):
@@ -207,7 +232,7 @@ def save_gpt2_checkpoint(model, directory, tokenizer=None):
     with open(os.path.join(directory, "config.json"), "w") as file:
         json.dump(config, file, indent=2, sort_keys=True)
         file.write("\n")
-    if tokenizer is not None:
+    if isinstance(tokenizer, BytePairTokenizer):
         tokenizer.save(directory)
 
 
@@ -314,16 +339,15 @@ def main(argv=None):
 
     if args.command == "to-tfgpt":
         model, tokenizer = load_gpt2_checkpoint(args.source)
-        checkpoint.save_model(args.output, model, tokenizer)
+        loading.save_model(args.output, model, tokenizer)
     else:
         model, tokenizer = loading.load_model(args.source)
-        if not isinstance(tokenizer, BytePairTokenizer):
+        if tokenizer is not None and not isinstance(tokenizer, BytePairTokenizer):
             print(
                 "note: the tokenizer is not GPT-2's byte-level BPE; only the "
-                "weights and config.json are written",
+                "weights and config.json (with its bos and eos ids) are written",
                 file=sys.stderr,
             )
-            tokenizer = None
         save_gpt2_checkpoint(model, args.output, tokenizer)
     print(f"wrote {args.output} ({model.count_params():,} parameters)")
 
