@@ -56,26 +56,70 @@ def flops_per_token(model, sequence_length):
     return 6 * parameters + 12 * layers * hidden * sequence_length
 
 
-def measure_matmul_peak(dtype="float32", size=2048, seconds=1.0):
-    """FLOP/s of a chain of `size` x `size` matmuls: the reachable peak here.
+def measure_matmul_peak(dtype="float32", towers=1, sizes=(1024, 2048), seconds=1.0):
+    """FLOP/s of `towers` matmul chains side by side: the peak this worker reaches.
 
-    Runs for about `seconds` after one warm-up call, on the current
-    threading settings, so it measures what this worker can get.
+    A worker with K towers runs K independent chains of ops in one graph,
+    each op on its intra-op threads (threads / K,
+    `tfgpt.distributed.cpu_threads.configure_cpu_threads`). The peak is
+    measured the same way: K independent chains of `size` x `size`
+    matmuls in one `tf.function`, on the current threading settings. One
+    chain on one tower's threads would measure a fraction of the worker
+    and let MFU read above 1. Each size in `sizes` is measured for about
+    `seconds / len(sizes)` after a warm-up call, and the largest rate is
+    returned: a cross-check, since a size that fits the caches badly
+    reads low.
+
+    Args:
+        dtype: str. The matmul dtype ("float32", "bfloat16", "float16").
+        towers: int. Chains run side by side, as the worker's towers run.
+        sizes: tuple of int. Square matrix sizes to try.
+        seconds: float. Time to spend measuring, over all sizes.
+
+    Returns:
+        float, FLOP/s.
+
+    Example:
+    >>> peak = measure_matmul_peak("float32", towers=2, sizes=(256,), seconds=0.05)
+    >>> peak > 0
+    True
     """
-    a = tf.random.normal([size, size], dtype="float32")
-    a = tf.cast(a / size**0.5, dtype)
-    chain = 8
+    if isinstance(towers, bool) or not isinstance(towers, int) or towers < 1:
+        raise ValueError(f"`towers` must be a positive integer. Received: towers={towers!r}")
+    if not sizes or any(not isinstance(size, int) or size < 1 for size in sizes):
+        raise ValueError(
+            f"`sizes` must be positive integers. Received: sizes={sizes!r}"
+        )
+    return max(_chains_rate(dtype, towers, size, seconds / len(sizes)) for size in sizes)
+
+
+def _chains_rate(dtype, towers, size, seconds):
+    """FLOP/s of `towers` independent chains of `size` x `size` matmuls."""
+    length = 8
+    # One matrix per chain, so that no chain waits on another's input.
+    starts = [
+        tf.cast(tf.random.normal([size, size], seed=tower) / size**0.5, dtype)
+        for tower in range(towers)
+    ]
 
     @tf.function
-    def run(x):
-        for _ in range(chain):
-            x = tf.matmul(x, a)
-        return x
+    def run(matrices):
+        outputs = []
+        for a in matrices:
+            x = a
+            for _ in range(length):
+                x = tf.matmul(x, a)  # (size, size)
+            outputs.append(x)
+        return outputs
 
-    run(a).numpy()
+    def call():
+        for output in run(starts):
+            output.numpy()
+
+    call()
     calls, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        run(a).numpy()
+    while calls == 0 or time.perf_counter() - start < seconds:
+        call()
         calls += 1
     elapsed = time.perf_counter() - start
-    return calls * chain * 2 * size**3 / elapsed
+    return calls * towers * length * 2 * size**3 / elapsed
