@@ -1,7 +1,8 @@
 """Configuration: the model families' dataclasses and presets, and TrainConfig.
 
-- `tfgpt.config.models`: `GPTConfig`, `BertConfig`, `AlbertConfig`, their
-  presets and `FAMILIES`, the registry of model families.
+- `tfgpt.config.models`: `GPTConfig`, `BertConfig`, `AlbertConfig` (on the
+  shared `TransformerConfig` and `EncoderConfig`), their presets and
+  `FAMILIES`, the registry of model families.
 - `tfgpt.config.training`: `TrainConfig` and its enumerations.
 - `tfgpt.config.checks`: argument checks both share.
 
@@ -18,8 +19,10 @@ from tfgpt.config.models import (
     GPT_PRESETS,
     AlbertConfig,
     BertConfig,
+    EncoderConfig,
     Family,
     GPTConfig,
+    TransformerConfig,
     family_of_preset,
     validate_albert_config,
     validate_bert_config,
@@ -48,9 +51,11 @@ __all__ = [
     "TASKS",
     "AlbertConfig",
     "BertConfig",
+    "EncoderConfig",
     "Family",
     "GPTConfig",
     "TrainConfig",
+    "TransformerConfig",
     "family_of_preset",
     "require_towers_divide_batch",
     "validate_albert_config",

@@ -3,9 +3,8 @@
 import keras
 
 from tfgpt import kernels
+from tfgpt.config.models import ACTIVATIONS
 
-# Activation names used across tfgpt's blocks and heads.
-ACTIVATIONS = ("gelu", "gelu_tanh", "relu")
 _GELU_APPROXIMATE = {"gelu": False, "gelu_tanh": True}
 
 
