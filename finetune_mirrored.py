@@ -4,57 +4,30 @@
         --train-file train-v1.1.json --validation-file dev-v1.1.json --out runs/squad
 
 `--strategy multi-worker` runs one process per worker with the cluster in
-`TF_CONFIG`. The flags are FinetuneConfig's and the encoder configs' fields
-(see `--help`), the same as finetune_hvd.py's, plus `--strategy`.
+`TF_CONFIG`. The flags are FinetuneConfig's and the encoder configs'
+fields, the same as finetune_hvd.py's, and StrategyOptions'.
 """
 
 import sys
 
-from tfgpt.config import ALLREDUCE_BUCKET_MB
-from tfgpt.finetuning import finetune, parse_flags
-from tfgpt.training.trainer import TrainingDiverged
-
-
-def add_strategy_flags(parser):
-    # Distribute: the strategy, and CPU replicas for machines without GPUs.
-    from tfgpt.distributed.strategy import STRATEGIES
-
-    group = parser.add_argument_group("tf.distribute")
-    group.add_argument("--strategy", choices=STRATEGIES, default="mirrored")
-    group.add_argument("--logical-cpus", type=int, default=0,
-                       help="split the CPU into this many logical devices (replicas)")
-    return ("strategy", "logical_cpus")
+from tfgpt.config.distribution import StrategyOptions as Options  # Distribute: its flags
+from tfgpt.training.front_end import FINETUNE as COMMAND
 
 
 def main(argv=None):
     # Config: parsed and validated before TensorFlow starts.
-    config, model_overrides, flags = parse_flags(
-        argv, description=__doc__, add_arguments=add_strategy_flags
-    )
-    if config.fp16_allreduce:
-        print("error: --fp16-allreduce is a Horovod option (finetune_hvd.py)", file=sys.stderr)
-        return 2
-    if config.allreduce_bucket_mb != ALLREDUCE_BUCKET_MB:
-        print("error: --allreduce-bucket-mb is a Horovod option (finetune_hvd.py)", file=sys.stderr)
-        return 2
+    config, model_overrides, options = COMMAND.parse_flags(argv, __doc__, Options)
 
     # Devices.
-    from tfgpt.distributed.strategy import StrategyDistribution
+    # Distribute: imported late so that --help does not start TensorFlow.
+    from tfgpt.distributed.strategy import StrategyDistribution as Distribution
 
-    # Distribute: replicas from the strategy; variables are mirrored on them.
-    # Distribute: the CPU cores split between workers on one machine.
-    distribution = StrategyDistribution.create(
-        flags["strategy"], flags["logical_cpus"], config.intra_op_threads,
-        towers=config.towers, batch_size=config.batch_size, xla=config.xla,
-    )
+    # Distribute: replicas from the strategy, variables mirrored on them.
+    # Distribute: workers on one machine split its CPU cores, as Horovod's ranks do.
+    distribution = Distribution.create(options, config)
 
-    # Data, model, optimizer, loop, save, evaluation: the fine-tuning core.
-    try:
-        finetune(config, distribution, model_overrides)
-    except (ValueError, TrainingDiverged) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    return 0
+    # Data, model, optimizer, loop, save (and a fine-tuning's evaluation): the shared core.
+    return COMMAND.run(config, model_overrides, distribution)
 
 
 if __name__ == "__main__":

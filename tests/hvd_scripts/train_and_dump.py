@@ -10,19 +10,17 @@ import sys
 
 import numpy as np
 
-from tfgpt.distributed.horovod_bridge import HorovodDistribution
 from tfgpt.config import family_of_preset
+from tfgpt.config.distribution import HorovodOptions
+from tfgpt.distributed.horovod_bridge import HorovodDistribution
 from tfgpt.training import objectives
 from tfgpt.training.flags import parse_flags
 from tfgpt.training.trainer import train
 
 
 def main(out, argv):
-    train_config, model_overrides = parse_flags(argv)
-    distribution = HorovodDistribution(
-        compression="fp16" if train_config.fp16_allreduce else "none"
-    )
-    distribution.configure_devices(train_config.intra_op_threads)
+    train_config, model_overrides, options = parse_flags(argv, options_class=HorovodOptions)
+    distribution = HorovodDistribution.create(options, train_config)
     model, metrics = train(train_config, model_overrides, distribution)
     family = family_of_preset(train_config.preset)
     task = objectives.make_task(family.resolve_task(train_config.task), family.name)

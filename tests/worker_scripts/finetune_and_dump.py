@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 
-from tfgpt.finetuning import core as finetuning
+from tfgpt.finetuning import finetuner
 
 
 def main(front_end, out, argv):
@@ -19,14 +19,15 @@ def main(front_end, out, argv):
     else:
         import finetune_mirrored as script
     kept = {}
-    original = finetuning.finetune
+    original = finetuner.finetune
 
-    def finetune_and_keep(config, distribution, model_overrides=None):
-        model, metrics = original(config, distribution, model_overrides)
+    def finetune_and_keep(config, model_overrides, distribution):
+        model, metrics = original(config, model_overrides, distribution)
         kept.update(model=model, rank=distribution.rank)
         return model, metrics
 
-    script.finetune = finetune_and_keep
+    # The front end looks the core up when it runs (tfgpt.training.front_end).
+    finetuner.finetune = finetune_and_keep
     code = script.main(argv)
     if code:
         sys.exit(code)

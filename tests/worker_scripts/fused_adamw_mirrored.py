@@ -11,6 +11,7 @@ import tensorflow as tf
 
 from tfgpt import GPT
 from tfgpt.config import TrainConfig
+from tfgpt.config.distribution import StrategyOptions
 from tfgpt.distributed.strategy import StrategyDistribution
 from tfgpt.training.optimizers import NO_DECAY_PATTERN, learning_rate_schedule, make_optimizer
 from tfgpt.training.train_step import TrainStep
@@ -40,7 +41,7 @@ def train(distribution, fused, batches):
 
 
 def main():
-    distribution = StrategyDistribution.create("mirrored", logical_cpus=2)
+    distribution = StrategyDistribution.create(StrategyOptions("mirrored", logical_cpus=2))
     assert distribution.size == 2, distribution.size
     rng = np.random.default_rng(4)
     batches = [(rng.integers(0, 23, (4, 5)).astype("int32"),

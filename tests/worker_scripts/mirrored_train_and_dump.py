@@ -16,12 +16,13 @@ def main(out, argv):
     dumped = {}
     original = trainer.train
 
-    def train_and_keep(*args, **kwargs):
-        model, metrics = original(*args, **kwargs)
-        dumped["model"], dumped["rank"] = model, args[2].rank
+    def train_and_keep(config, model_overrides, distribution):
+        model, metrics = original(config, model_overrides, distribution)
+        dumped["model"], dumped["rank"] = model, distribution.rank
         return model, metrics
 
-    train_mirrored.train = train_and_keep
+    # The front end looks the core up when it runs (tfgpt.training.front_end).
+    trainer.train = train_and_keep
     code = train_mirrored.main(argv)
     if code:
         sys.exit(code)

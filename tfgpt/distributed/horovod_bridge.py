@@ -23,9 +23,10 @@ import os
 import keras
 import tensorflow as tf
 
-from tfgpt.config import ALLREDUCE_BUCKET_MB
+from tfgpt.config.distribution import HorovodOptions
+from tfgpt.config.training import ALLREDUCE_BUCKET_MB
 from tfgpt.distributed.cpu_threads import configure_cpu_threads, resolve_towers
-from tfgpt.distributed.local import LocalDistribution
+from tfgpt.distributed.local import LocalDistribution, device_settings
 
 _COMPRESSIONS = ("none", "fp16")
 
@@ -131,6 +132,28 @@ class HorovodDistribution(LocalDistribution):
         self._compression = (
             hvd.Compression.fp16 if compression == "fp16" else hvd.Compression.none
         )
+
+    @classmethod
+    def create(cls, options=None, config=None):
+        """Starts Horovod and configures this worker's devices for a run.
+
+        Args:
+            options: `tfgpt.config.distribution.HorovodOptions`, or None
+                for the defaults.
+            config: the run's config (`intra_op_threads`, `towers`,
+                `batch_size`, `xla`; see `configure_devices`), or None for
+                one tower on the machine's share of cores.
+
+        `StrategyDistribution.create(options, config)` is built the same way.
+        """
+        options = options or HorovodOptions()
+        distribution = cls(
+            compression="fp16" if options.fp16_allreduce else "none",
+            bucket_mb=options.allreduce_bucket_mb,
+        )
+        distribution.configure_devices(**device_settings(config))
+        distribution.options = options
+        return distribution
 
     def configure_devices(self, intra_op_threads=0, *, towers=1, batch_size=0, xla=False):
         """Pins one GPU per local rank; splits CPU cores among local ranks.

@@ -13,6 +13,7 @@ class LocalDistribution:
     `distribute_dataset(fn)`, `run(fn, batch)`, `allreduce_gradients`,
     `allreduce_mean`, `broadcast_variables`, `configure_optimizer` and
     `towers` (how many slices of each batch the step runs side by side).
+    Front ends build theirs with `create(options, config)`.
     """
 
     rank = 0
@@ -24,6 +25,9 @@ class LocalDistribution:
     saves_collectively = False
     # Concurrent slices of each batch (tfgpt.distributed.cpu_threads).
     towers = 1
+    # The front end's options (`tfgpt.config.distribution`) it was created
+    # with; written into the run's config.json beside the run config.
+    options = None
 
     def scope(self):
         return contextlib.nullcontext()
@@ -53,3 +57,19 @@ class LocalDistribution:
 
     def broadcast_variables(self, variables):
         del variables
+
+
+def device_settings(config=None):
+    """What a distribution's `create` reads from a run config, as keyword arguments.
+
+    Without a config: threads split as usual, one tower, batch size and
+    XLA unknown.
+    """
+    if config is None:
+        return dict(intra_op_threads=0, towers=1, batch_size=0, xla=False)
+    return dict(
+        intra_op_threads=config.intra_op_threads,
+        towers=config.towers,
+        batch_size=config.batch_size,
+        xla=config.xla,
+    )

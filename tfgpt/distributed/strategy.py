@@ -5,10 +5,9 @@ import os
 
 import tensorflow as tf
 
+from tfgpt.config.distribution import STRATEGIES, StrategyOptions
 from tfgpt.distributed.cpu_threads import configure_cpu_threads, resolve_towers
-from tfgpt.distributed.local import LocalDistribution
-
-STRATEGIES = ("default", "one-device", "mirrored", "multi-worker")
+from tfgpt.distributed.local import LocalDistribution, device_settings
 
 
 def make_strategy(name):
@@ -52,29 +51,40 @@ class StrategyDistribution(LocalDistribution):
     """
 
     @classmethod
-    def create(cls, name, logical_cpus=0, intra_op_threads=0, *, towers=1, batch_size=0,
-               xla=False):
-        """Configures the devices, then builds the strategy called `name`.
+    def create(cls, options=None, config=None):
+        """Configures the devices, then builds the strategy `options` names.
+
+        Args:
+            options: `tfgpt.config.distribution.StrategyOptions`, or None
+                for the defaults (mirrored, no logical CPUs).
+            config: the run's config (`intra_op_threads`, `towers`,
+                `batch_size`, `xla`), or None for one tower on the
+                machine's share of cores.
 
         Workers that share a machine (multi-worker on one host, read from
         `TF_CONFIG`) split its cores, as Horovod's ranks do;
-        `logical_cpus` > 1 splits the CPU into that many replicas.
-        `towers`, `batch_size` and `xla` choose the towers each replica
-        runs (`tfgpt.distributed.cpu_threads.resolve_towers`; 0 chooses).
+        `logical_cpus` > 1 splits the CPU into that many replicas. The
+        towers each replica runs are chosen from `config`
+        (`tfgpt.distributed.cpu_threads.resolve_towers`; 0 chooses).
+        `HorovodDistribution.create(options, config)` is built the same way.
         """
+        options = options or StrategyOptions()
+        settings = device_settings(config)
         cluster = json.loads(os.environ.get("TF_CONFIG", "{}")).get("cluster", {})
         hosts = [address.rsplit(":", 1)[0] for address in cluster.get("worker", [])]
         workers_here = max(1, sum(host in ("localhost", "127.0.0.1") for host in hosts))
-        threads = intra_op_threads or max(1, (os.cpu_count() or 1) // workers_here)
-        towers = resolve_towers(towers, threads, batch_size, xla, replicas=max(1, logical_cpus))
+        threads = settings["intra_op_threads"] or max(1, (os.cpu_count() or 1) // workers_here)
+        towers = resolve_towers(settings["towers"], threads, settings["batch_size"],
+                                settings["xla"], replicas=max(1, options.logical_cpus))
         configure_cpu_threads(threads, towers)
-        if logical_cpus > 1:
+        if options.logical_cpus > 1:
             cpu = tf.config.list_physical_devices("CPU")[0]
             tf.config.set_logical_device_configuration(
-                cpu, [tf.config.LogicalDeviceConfiguration()] * logical_cpus
+                cpu, [tf.config.LogicalDeviceConfiguration()] * options.logical_cpus
             )
-        distribution = cls(make_strategy(name))
+        distribution = cls(make_strategy(options.strategy))
         distribution.towers = towers
+        distribution.options = options
         return distribution
 
     def __init__(self, strategy):

@@ -1,99 +1,242 @@
 """Command-line flags generated from the config dataclasses.
 
-Every field of `TrainConfig` and of the model config is a flag of the same
-name with dashes (`batch_size` -> `--batch-size`). `--preset` applies first
-and explicit model flags override its fields. An unknown flag or a value of
-the wrong type is an error, never a silent default.
+Every field of a run config (`TrainConfig`, `FinetuneConfig`) and of the
+model configs is a flag of the same name with dashes (`batch_size` ->
+`--batch-size`); so is every field of the front end's distribution options
+(`tfgpt.config.distribution`). Each flag's help is its field's `Args:` entry
+in the dataclass's docstring (a subclass's entry replaces its base's), an
+enumerated field lists its choices, and defaults are shown. `--preset`
+applies first and explicit model flags override its fields. An unknown
+flag or a value of the wrong type is an error, never a silent default.
+
+Importing this module does not import TensorFlow (`--help` runs without it).
 """
 
 import argparse
 import dataclasses
+import re
+import textwrap
 import typing
 
-from tfgpt.config import AlbertConfig, BertConfig, GPTConfig, TrainConfig, family_of_preset
+from tfgpt.cli import HelpFormatter
+from tfgpt.config.models import ACTIVATIONS, FAMILIES, family_of_preset
+from tfgpt.config.training import TrainConfig
 
-MODEL_CONFIGS = (GPTConfig, BertConfig, AlbertConfig)
+MODEL_CONFIGS = tuple(family.config_class for family in FAMILIES.values())
+# Enumerated model fields (the model configs validate them).
+MODEL_CHOICES = {"activation": ACTIVATIONS}
+
+# `name: type. meaning` or `name (type): meaning`, the first line of an entry.
+_ENTRY = re.compile(r"^(?P<indent>\s*)(?P<name>\w+)\s*(\([^)]*\))?:\s*(?P<text>.*)$")
+# The type that opens an entry's text: `int.`, `tuple of str.`, `str or None.`
+_TYPE_WORD = r"(?:int|float|str|bool|dict|list|tuple|type|callable|None)"
+_TYPE = re.compile(
+    rf"^{_TYPE_WORD}(?:\s+(?:of|or)\s+{_TYPE_WORD}|\[[^\]]*\]|\s*\|\s*{_TYPE_WORD})*\.\s+"
+)
+
+
+def docstring_args(cls):
+    """`{field name: meaning}` from the `Args:` sections of `cls` and its bases.
+
+    An entry is `name: type. meaning`, possibly over several lines indented
+    deeper than the name; the type is dropped and the lines are joined. A
+    subclass's entry replaces its base's.
+    """
+    entries = {}
+    for klass in reversed(cls.__mro__):
+        entries.update(_parse_args_section(klass.__doc__ or ""))
+    return entries
+
+
+def _parse_args_section(doc):
+    lines = textwrap.dedent("\n".join(doc.splitlines()[1:])).splitlines()
+    entries, name, indent, inside = {}, None, None, False
+    for line in lines:
+        if not inside:
+            inside = line.strip() == "Args:"
+            continue
+        if not line.strip():
+            continue
+        depth = len(line) - len(line.lstrip())
+        match = _ENTRY.match(line)
+        if match and (indent is None or depth == indent):
+            indent, name = depth, match["name"]
+            entries[name] = match["text"].strip()
+        elif indent is not None and depth > indent and name:
+            entries[name] += " " + line.strip()
+        else:  # the section ends: a header or text at a shallower indent
+            break
+    return {key: _TYPE.sub("", text, count=1) for key, text in entries.items()}
+
+
+class FlagHelpFormatter(HelpFormatter):
+    """`tfgpt.cli.HelpFormatter` that wraps help only at spaces: flag and
+    preset names (`--warmup-steps`, `albert-large`) stay whole."""
+
+    def _split_lines(self, text, width):
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
 
 
 def _flag(name):
     return "--" + name.replace("_", "-")
 
 
-def _add_fields(parser, cls, defaults, seen=None):
+def _help(text):
+    return text.replace("%", "%%")  # argparse %-formats help strings
+
+
+def _own_fields_first(cls):
+    """The fields of `cls`, those it adds before those it inherits."""
+    fields = dataclasses.fields(cls)
+    inherited = set()
+    for base in cls.__mro__[1:]:
+        if dataclasses.is_dataclass(base):
+            inherited |= {field.name for field in dataclasses.fields(base)}
+    return [f for f in fields if f.name not in inherited] + [f for f in fields if f.name in inherited]
+
+
+def add_config_flags(group, cls):
+    """One flag per field of the dataclass `cls`, its default the field's."""
     hints = typing.get_type_hints(cls)
-    for field in dataclasses.fields(cls):
-        if seen is not None:
+    helps = docstring_args(cls)
+    choices = getattr(cls, "CHOICES", {})
+    presets = getattr(cls, "PRESETS", None)
+    for field in _own_fields_first(cls):
+        text = helps.get(field.name)
+        if text is None:
+            raise ValueError(f"{cls.__name__}.{field.name} has no `Args:` entry to be its help")
+        if field.name == "preset" and presets:
+            text += f" One of: {', '.join(presets)}."
+        _add_flag(group, field.name, hints[field.name], _help(text), field.default,
+                  choices.get(field.name))
+
+
+# What a value looks like in `--help`: `--steps N`, `--learning-rate X`.
+_METAVARS = {int: "N", float: "X"}
+
+
+def _add_flag(group, name, kind, help_text, default, choices=None):
+    if kind is bool:
+        group.add_argument(_flag(name), action=argparse.BooleanOptionalAction, default=default,
+                           help=help_text)
+        return
+    if kind is str and default is not argparse.SUPPRESS:
+        help_text += " (default: %(default)r)"  # shows an empty default as ''
+    group.add_argument(_flag(name), type=kind, default=default, choices=choices,
+                       metavar=None if choices else _METAVARS.get(kind, name.upper()),
+                       help=help_text)
+
+
+def _title(cls):
+    """A flag group's title: the class and its docstring's summary line."""
+    summary = (cls.__doc__ or "").strip().splitlines()[0].rstrip(".")
+    return f"{summary} ({cls.__name__})"
+
+
+def add_model_flags(group, model_classes, skip=(), default_text="the preset's value"):
+    """The union of `model_classes`' fields as flags, absent unless given.
+
+    A field of some families only says which; the help is the first
+    class's entry for the field.
+    """
+    seen = set(skip)
+    for cls in model_classes:
+        hints = typing.get_type_hints(cls)
+        helps = docstring_args(cls)
+        for field in dataclasses.fields(cls):
             if field.name in seen:
                 continue
             seen.add(field.name)
-        kind = hints[field.name]
-        default = defaults.get(field.name, None)
-        if kind is bool:
-            parser.add_argument(
-                _flag(field.name), action=argparse.BooleanOptionalAction, default=default
-            )
-        else:
-            parser.add_argument(_flag(field.name), type=kind, default=default)
+            owners = [
+                family.name for family in FAMILIES.values()
+                if family.config_class in model_classes
+                and field.name in {f.name for f in dataclasses.fields(family.config_class)}
+            ]
+            text = helps.get(field.name)
+            if text is None:
+                raise ValueError(f"{cls.__name__}.{field.name} has no `Args:` entry to be its help")
+            if len(owners) < len(model_classes):
+                text += f" {' and '.join(name.upper() for name in owners)} only."
+            text += f" (default: {default_text})"
+            # SUPPRESS: the flag is in the parsed namespace only when given.
+            _add_flag(group, field.name, hints[field.name], _help(text), argparse.SUPPRESS,
+                      MODEL_CHOICES.get(field.name))
 
 
-def build_parser(description):
-    """Returns a parser with one flag per TrainConfig field and per model
-    config field (the union of GPTConfig, BertConfig and AlbertConfig)."""
-    parser = argparse.ArgumentParser(
-        description=description,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+def parse_config_flags(argv, description, config_class, model_group, check_model,
+                       options_class=None):
+    """Parses `argv` into `(config, model_overrides, options)`.
+
+    Args:
+        argv: list of str, or None for `sys.argv[1:]`.
+        description: str. The front end's docstring, shown by `--help`.
+        config_class: the run config dataclass (`TrainConfig`, ...).
+        model_group: `(title, model classes, fields left out, default text)`.
+        check_model: `check_model(config, model_overrides)` raises
+            ValueError when the model flags do not fit the config.
+        options_class: the front end's distribution options dataclass, or
+            None (then `options` is None).
+
+    Invalid values exit with status 2 and one `error:` line naming the
+    flag, before anything is built.
+    """
+    parser = argparse.ArgumentParser(description=description, formatter_class=FlagHelpFormatter)
+    add_config_flags(parser.add_argument_group(_title(config_class)), config_class)
+    title, model_classes, skip, default_text = model_group
+    add_model_flags(parser.add_argument_group(title), model_classes, skip, default_text)
+    if options_class is not None:
+        add_config_flags(parser.add_argument_group(_title(options_class)), options_class)
+    args = vars(parser.parse_args(argv))
+    config_fields = {field.name for field in dataclasses.fields(config_class)}
+    option_fields = (
+        {field.name for field in dataclasses.fields(options_class)} if options_class else set()
     )
-    train_defaults = {
-        field.name: field.default for field in dataclasses.fields(TrainConfig)
-    }
-    training = parser.add_argument_group("training")
-    _add_fields(training, TrainConfig, train_defaults)
-    # Model flags default to None: "take the preset's value".
-    model = parser.add_argument_group("model (override the preset)")
-    seen = set()
-    for cls in MODEL_CONFIGS:
-        _add_fields(model, cls, {}, seen)
-    return parser
+    config_args = {name: args.pop(name) for name in config_fields}
+    option_args = {name: args.pop(name) for name in option_fields}
+    model_overrides = args
+    try:
+        config = config_class(**config_args)
+        options = options_class(**option_args) if options_class else None
+        check_model(config, model_overrides)
+    except ValueError as error:
+        parser.error(str(error))
+    return config, model_overrides, options
 
 
-def parse_flags(argv=None, description="Train a GPT.", add_arguments=None):
-    """Parses `argv` into `(TrainConfig, model_overrides)`.
+def require_model_fields(cls, model_overrides, preset, family_name):
+    """Raises unless every override is a field of `cls`, and `cls` accepts them."""
+    fields = {field.name for field in dataclasses.fields(cls)}
+    for name in model_overrides:
+        if name not in fields:
+            raise ValueError(
+                f"{_flag(name)} is not a {cls.__name__} field "
+                f"(--preset {preset} is a {family_name} model)"
+            )
+    cls.from_preset(preset, **model_overrides)
+
+
+def _check_pretraining_model(config, model_overrides):
+    family = family_of_preset(config.preset)
+    family.resolve_task(config.task)
+    require_model_fields(family.config_class, model_overrides, config.preset, family.name)
+
+
+def parse_flags(argv=None, description="Train a GPT, BERT or ALBERT.", options_class=None):
+    """Parses the trainers' flags into `(TrainConfig, model_overrides)`.
 
     `model_overrides` holds only the model fields given as flags; the
     trainer applies them over the preset (and the data's vocabulary size).
-    Invalid values exit with status 2 and one `error:` line naming the flag,
-    before anything is built.
-
-    `add_arguments(parser)` may add a front end's own flags (and return
-    their names); their values are then returned as a third element, a
-    dict, after validation by `add_arguments`'s argparse types.
+    With `options_class` (`tfgpt.config.distribution`), its flags are
+    added and `(TrainConfig, model_overrides, options)` returned.
     """
-    parser = build_parser(description)
-    extra_names = add_arguments(parser) if add_arguments else ()
-    args = vars(parser.parse_args(argv))
-    extras = {name: args.pop(name) for name in extra_names}
-    train_fields = {field.name for field in dataclasses.fields(TrainConfig)}
-    train_args = {key: value for key, value in args.items() if key in train_fields}
-    model_overrides = {
-        key: value
-        for key, value in args.items()
-        if key not in train_fields and value is not None
-    }
-    try:
-        train_config = TrainConfig(**train_args)
-        family = family_of_preset(train_config.preset)
-        family.resolve_task(train_config.task)
-        cls = family.config_class
-        fields = {field.name for field in dataclasses.fields(cls)}
-        for name in model_overrides:
-            if name not in fields:
-                raise ValueError(
-                    f"--{name.replace('_', '-')} is not a {cls.__name__} field "
-                    f"(--preset {train_config.preset} is a {family.name} model)"
-                )
-        cls.from_preset(train_config.preset, **model_overrides)
-    except ValueError as error:
-        parser.error(str(error))
-    if add_arguments:
-        return train_config, model_overrides, extras
-    return train_config, model_overrides
+    config, model_overrides, options = parse_config_flags(
+        argv,
+        description,
+        TrainConfig,
+        ("model (override the preset)", MODEL_CONFIGS, (), "the preset's value"),
+        _check_pretraining_model,
+        options_class,
+    )
+    if options_class is not None:
+        return config, model_overrides, options
+    return config, model_overrides

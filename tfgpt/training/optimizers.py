@@ -1,4 +1,4 @@
-"""Optimizer construction from a TrainConfig."""
+"""Optimizer construction from a run config (`TrainConfig`, `FinetuneConfig`)."""
 
 import keras
 
@@ -11,26 +11,30 @@ from tfgpt.training.schedules import WarmupDecay
 NO_DECAY_PATTERN = r"(bias|gamma|beta|embeddings)"
 
 
-def learning_rate_schedule(config, num_workers=1):
+def learning_rate_schedule(config, num_workers=1, steps=None):
+    """Warmup and decay over `steps` (default `config.steps`) steps."""
+    steps = steps or config.steps
     peak = config.learning_rate * (num_workers if config.scale_learning_rate else 1)
     return WarmupDecay(
         peak,
-        warmup_steps=min(config.warmup_steps, config.steps),
-        total_steps=config.steps,
+        warmup_steps=min(config.warmup_steps_of(steps), steps),
+        total_steps=steps,
         decay=config.schedule,
         final_ratio=config.final_learning_rate_ratio,
     )
 
 
-def make_optimizer(config, num_workers=1):
+def make_optimizer(config, num_workers=1, steps=None):
     """Returns the optimizer for `config`, wrapped for loss scaling under float16.
 
     Args:
-        config: TrainConfig.
+        config: a `tfgpt.config.training.RunConfig` (TrainConfig, FinetuneConfig).
         num_workers: int. Data-parallel workers, for learning-rate scaling.
+        steps: int. Steps of the run, when they are not `config.steps`
+            (fine-tuning derives them from the data).
     """
     common = dict(
-        learning_rate=learning_rate_schedule(config, num_workers),
+        learning_rate=learning_rate_schedule(config, num_workers, steps),
         weight_decay=config.weight_decay,
         global_clipnorm=config.gradient_clip_norm or None,
     )

@@ -1,40 +1,29 @@
-"""The training loop every front end runs: one core, different distributions.
+"""Pretraining: one core for every front end, different distributions.
 
 `train()` takes a TrainConfig, model overrides and a distribution object
 (`tfgpt.distributed`) and runs, in order: config, data, model, optimizer,
-loop, save. The front ends (`train_hvd.py`, `train_mirrored.py`) only
-choose the distribution.
+loop, save, validation. The front ends (`train_hvd.py`, `train_mirrored.py`)
+only choose the distribution. What fine-tuning shares with it (model and
+optimizer, checkpoints, the loop) is `tfgpt.training.loop`.
 """
 
 import dataclasses
 import math
 import os
-import signal
-import time
 
-import keras
 import numpy as np
 import tensorflow as tf
 
 from pipelines import reader
 from tfgpt.config import FAMILIES, family_of_preset
-from tfgpt.training import flops, objectives
-from tfgpt.training.checkpointing import Checkpointer, read_config
 from tfgpt.layers.transformer_block import set_recompute
-from tfgpt.training.optimizers import make_optimizer
-from tfgpt.training.precision import slow_precision_warning
-from tfgpt.training.profiling import StepProfiler
+from tfgpt.training import loop, objectives
+from tfgpt.training.checkpointing import Checkpointer, read_config
+from tfgpt.training.loop import TrainingDiverged
 from tfgpt.training.reporter import Reporter
 from tfgpt.training.train_step import EvalStep, TrainStep
 
-_POLICIES = {"off": "float32", "float16": "mixed_float16", "bfloat16": "mixed_bfloat16"}
-# Test-only fault injection: SIGKILL this process right after the checkpoint
-# of this step is on disk, to prove that resuming is exact.
-_KILL_AFTER_SAVE = "TFGPT_FAULT_KILL_AFTER_SAVE"
-
-
-class TrainingDiverged(RuntimeError):
-    """The loss became NaN or infinite."""
+__all__ = ["TrainingDiverged", "evaluate", "resolve_model_config", "train"]
 
 
 def resolve_model_config(train_config, model_overrides, manifest, family, saved=None):
@@ -135,12 +124,6 @@ def evaluate(task, eval_step, batches, distribution, max_batches, vocabulary_siz
     return results
 
 
-def _seed_generator_states(model):
-    # Dropout's random state lives in Keras SeedGenerators, which
-    # tf.train.Checkpoint does not reach through the layers: list them.
-    return [v.value for v in model.variables if "seed_generator_state" in v.path]
-
-
 def _check_batch_sizes(train_config, manifest, distribution):
     records = reader.records_per_worker(manifest, "train", distribution.num_workers)
     replicas_per_worker = distribution.size // distribution.num_workers
@@ -176,12 +159,7 @@ def train(train_config, model_overrides, distribution):
         )
     tokenizer_file = manifest["tokenizer"].get("model_file")
     tokenizer_path = os.path.join(train_config.data, tokenizer_file) if tokenizer_file else None
-    has_checkpoint = tf.train.latest_checkpoint(out) is not None
-    if has_checkpoint and not train_config.resume:
-        raise ValueError(
-            f"--out {out} already holds checkpoints: pass --resume to continue "
-            "that run, or choose another --out"
-        )
+    has_checkpoint = loop.existing_checkpoints(train_config)
     saved = read_config(out)["model"] if has_checkpoint else None
     model_config = resolve_model_config(
         train_config, model_overrides, manifest, family, saved=saved
@@ -190,8 +168,7 @@ def train(train_config, model_overrides, distribution):
     report = Reporter(out, distribution.is_chief)
     sequence_length = manifest["seq_len"]
     global_batch = train_config.batch_size * train_config.accumulation_steps * distribution.size
-    # An explicit --towers wins; 0 takes what the distribution split its threads for.
-    towers = train_config.towers or distribution.towers
+    towers = loop.towers_of(train_config, distribution)
     report.info(
         f"tfgpt: {family} {task.name}, {distribution.num_workers} worker(s), "
         f"{distribution.size} replica(s), "
@@ -201,21 +178,13 @@ def train(train_config, model_overrides, distribution):
         f"precision {train_config.mixed_precision}, xla {train_config.xla}, "
         f"{towers} tower(s) per replica"
     )
-    warning = slow_precision_warning(train_config.mixed_precision)
-    if warning:
-        report.info(f"warning: {warning}")
+    loop.start_up_warnings(report, train_config, train_config.steps)
 
-    # Model: identical initial weights everywhere (seeded, then broadcast).
-    keras.utils.set_random_seed(train_config.seed)
-    keras.config.set_dtype_policy(_POLICIES[train_config.mixed_precision])
-    with distribution.scope():
-        model = objectives.build_model(family, model_config)
-        # Optimizer.
-        optimizer = distribution.configure_optimizer(
-            make_optimizer(train_config, distribution.size)
-        )
-        optimizer.build(model.trainable_variables)
-        step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
+    # Model and optimizer: identical initial weights everywhere (seeded, then broadcast).
+    model, optimizer, step = loop.build_model_and_optimizer(
+        train_config, distribution, lambda: objectives.build_model(family, model_config),
+        train_config.steps,
+    )
     report.info(f"model: {model.count_params():,} parameters {model_config}")
     # Recomputation is a training-time choice, not architecture (not in config.json's model).
     if train_config.recompute and not set_recompute(model, True):
@@ -259,17 +228,7 @@ def train(train_config, model_overrides, distribution):
 
     # Checkpoints: the chief saves model, optimizer, step and dropout state;
     # every worker saves its own data position beside them.
-    checkpointer = Checkpointer(
-        out,
-        distribution.is_chief,
-        keep=train_config.keep_checkpoints,
-        collective=distribution.saves_collectively,
-        rank=distribution.rank,
-        model=model,
-        optimizer=optimizer,
-        step=step,
-        rng=_seed_generator_states(model),
-    )
+    checkpointer = loop.make_checkpointer(train_config, distribution, model, optimizer, step)
     data_directory = os.path.join(
         out, "data", f"worker-{distribution.rank:05d}-of-{distribution.num_workers:05d}"
     )
@@ -300,7 +259,7 @@ def train(train_config, model_overrides, distribution):
             "family": family,
             "task": task.name,
             "model": dataclasses.asdict(model_config),
-            "train": dataclasses.asdict(train_config),
+            "train": loop.run_record(train_config, distribution),
             "data": {"seq_len": sequence_length, "directory": os.path.abspath(train_config.data)},
             "workers": distribution.num_workers,
             "replicas": distribution.size,
@@ -312,101 +271,23 @@ def train(train_config, model_overrides, distribution):
     # examples had to wait until after it for the slots to exist).
     distribution.broadcast_variables(model.variables + optimizer.variables + [step])
 
-    def save(at_step, last_loss):
-        if not math.isfinite(last_loss):
-            raise TrainingDiverged(
-                f"loss is {last_loss} at step {at_step}; not saving it over the last "
-                f"good checkpoint ({checkpointer.latest})"
-            )
-        # Data positions first, so that a model checkpoint on disk always
-        # has the data positions of every worker for the same step.
-        if data_checkpointer is not None:
-            data_checkpointer.save(at_step)
-            distribution.allreduce_mean(tf.constant(0.0))  # barrier
-        path = checkpointer.save(at_step)
-        if int(os.environ.get(_KILL_AFTER_SAVE, "-1")) == at_step:
-            # Fault injection (tests): every worker dies once the chief's
-            # checkpoint is on disk. Without the barrier a non-chief rank
-            # could die first, and horovodrun would stop the chief mid-write.
-            distribution.allreduce_mean(tf.constant(0.0))
-            os.kill(os.getpid(), signal.SIGKILL)
-        return path
-
-    # MFU: the model's FLOPs against this worker's peak.
-    flops_per_token = flops.flops_per_token(model, sequence_length)
-    peak = train_config.peak_flops or flops.measure_matmul_peak(
-        "float32" if train_config.mixed_precision == "off" else train_config.mixed_precision
+    # Loop, and the last save.
+    metrics = loop.run_loop(
+        train_config,
+        distribution,
+        report,
+        model=model,
+        optimizer=optimizer,
+        step=step,
+        train_step=train_step,
+        batches=batches_naming_bad_shards(iterator, train_config.data, "train"),
+        checkpointer=checkpointer,
+        steps=train_config.steps,
+        global_batch=global_batch,
+        sequence_length=sequence_length,
+        data_checkpointer=data_checkpointer,
+        perplexity=True,
     )
-    report.info(
-        f"MFU basis: {flops_per_token / 1e6:.1f} MFLOP per token (6N + 12 L C T), "
-        f"peak {peak / 1e9:.1f} GFLOP/s per worker "
-        f"({'given' if train_config.peak_flops else 'measured: 2048^2 matmul chain'})"
-    )
-
-    # Loop.
-    start = int(step.numpy())
-    batches = batches_naming_bad_shards(iterator, train_config.data, "train")
-    tokens_per_step = global_batch * sequence_length
-    metrics, mean_loss = {}, float("nan")
-    window_start, window_steps, window_sums = time.perf_counter(), 0, {}
-    profiler = StepProfiler(
-        train_config.profile_range(), os.path.join(out, "profile"), distribution.is_chief
-    )
-    for current in range(start, train_config.steps):
-        profiler.before(current + 1)
-        step_metrics = train_step(next(batches))
-        step.assign(current + 1)
-        if profiler.after(current + 1, step_metrics, current + 1 == train_config.steps):
-            report.info(f"profiler trace of steps {train_config.profile_steps} in {profiler.directory}")
-        window_sums = {
-            name: window_sums.get(name, 0.0) + value for name, value in step_metrics.items()
-        }
-        window_steps += 1
-        last = current + 1 == train_config.steps
-        # Windows end at multiples of log_every (and at step 1), so a resumed
-        # run logs the same averages as an uninterrupted one.
-        if (current + 1) % train_config.log_every == 0 or last or current == 0:
-            # The loss and the task's own metrics, averaged over the window
-            # and the workers in one collective.
-            names = ["loss"] + sorted(set(window_sums) - {"loss", "gradient_norm"})
-            means = distribution.allreduce_mean(
-                tf.stack([tf.cast(window_sums[name], tf.float32) for name in names]) / window_steps
-            ).numpy()
-            mean_loss = float(means[0])
-            if not math.isfinite(mean_loss):
-                raise TrainingDiverged(
-                    f"loss is {mean_loss} at step {current + 1}; stopping without saving "
-                    f"(last good checkpoint: {checkpointer.latest})"
-                )
-            elapsed = time.perf_counter() - window_start
-            metrics = {
-                "loss": mean_loss,
-                "perplexity": math.exp(min(mean_loss, 50.0)),
-                "learning_rate": float(optimizer.learning_rate),
-                "gradient_norm": float(step_metrics["gradient_norm"]),
-                **{name: float(value) for name, value in zip(names[1:], means[1:])},
-            }
-            if train_config.mixed_precision == "float16":
-                metrics["loss_scale"] = float(optimizer.dynamic_scale)
-                metrics["skipped_steps"] = float(
-                    (current + 1) - int(optimizer.inner_optimizer.iterations)
-                )
-            # The first step includes tracing and compilation: no rate for it.
-            if current + 1 - window_steps > start:
-                tokens_per_second = tokens_per_step * window_steps / elapsed
-                metrics["tokens_per_second"] = tokens_per_second
-                metrics["sequences_per_second"] = tokens_per_second / sequence_length
-                metrics["mfu"] = (
-                    flops_per_token * tokens_per_second / distribution.num_workers / peak
-                )
-            report.scalars(current + 1, metrics)
-            window_start, window_steps, window_sums = time.perf_counter(), 0, {}
-        if train_config.save_every and (current + 1) % train_config.save_every == 0 and not last:
-            save(current + 1, float(step_metrics["loss"]))
-    if int(step.numpy()) > start or not checkpointer.latest:
-        saved_path = save(int(step.numpy()), mean_loss)
-        if saved_path:
-            report.info(f"saved {saved_path}")
 
     # Validation.
     validation = task.dataset(

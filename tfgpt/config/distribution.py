@@ -1,0 +1,63 @@
+"""The front ends' own flags: how each distributes the run.
+
+`HorovodOptions` are `train_hvd.py`'s and `finetune_hvd.py`'s,
+`StrategyOptions` `train_mirrored.py`'s and `finetune_mirrored.py`'s; a
+distribution is built from its options and the run's config
+(`HorovodDistribution.create(options, config)`,
+`StrategyDistribution.create(options, config)`). Importing this module
+does not import TensorFlow.
+"""
+
+import dataclasses
+
+from tfgpt.config.training import ALLREDUCE_BUCKET_MB, require_non_negative_int, require_one_of
+
+STRATEGIES = ("default", "one-device", "mirrored", "multi-worker")
+
+
+@dataclasses.dataclass
+class HorovodOptions:
+    """How Horovod averages the gradients.
+
+    Args:
+        fp16_allreduce: bool. Send gradients as float16 over the wire
+            (halves allreduce traffic).
+        allreduce_bucket_mb: float. Megabytes of gradients per grouped
+            allreduce, cut in backward order; 0 sends each gradient on its
+            own.
+    """
+
+    CHOICES = {}
+
+    fp16_allreduce: bool = False
+    allreduce_bucket_mb: float = ALLREDUCE_BUCKET_MB
+
+    def __post_init__(self):
+        if not self.allreduce_bucket_mb >= 0:
+            raise ValueError(
+                "`allreduce_bucket_mb` must be non-negative. "
+                f"Received: allreduce_bucket_mb={self.allreduce_bucket_mb!r}"
+            )
+
+
+@dataclasses.dataclass
+class StrategyOptions:
+    """Which tf.distribute strategy runs the replicas.
+
+    Args:
+        strategy: str. `mirrored`: one replica per GPU (or per logical CPU
+            device); `multi-worker`: MultiWorkerMirrored, one process per
+            worker with the cluster in `TF_CONFIG`; `one-device`, or
+            `default` (no strategy).
+        logical_cpus: int. Split the CPU into this many logical devices,
+            one replica each (machines without GPUs); 0 or 1 keeps one.
+    """
+
+    CHOICES = {"strategy": STRATEGIES}
+
+    strategy: str = "mirrored"
+    logical_cpus: int = 0
+
+    def __post_init__(self):
+        require_one_of("strategy", self.strategy, STRATEGIES)
+        require_non_negative_int("logical_cpus", self.logical_cpus)

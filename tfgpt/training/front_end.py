@@ -1,0 +1,49 @@
+"""What the four front ends share: their flags, and running a core to an exit status.
+
+`train_hvd.py`, `train_mirrored.py`, `finetune_hvd.py` and
+`finetune_mirrored.py` each parse their flags with `COMMAND.parse_flags`,
+build their distribution, and hand both to `COMMAND.run`; a pair of them
+differs only in its `COMMAND` (`TRAIN` or `FINETUNE`) or only in its
+distribution lines. The cores are imported when run, after the flags are
+parsed, so `--help` and flag errors never start TensorFlow.
+"""
+
+import importlib
+import sys
+
+
+class Command:
+    """A kind of run: where its flag parser and its core live.
+
+    Args:
+        flags: str. Module whose `parse_flags(argv, description,
+            options_class)` returns `(config, model_overrides, options)`.
+        core: str. `"module:function"`, called as
+            `function(config, model_overrides=..., distribution=...)`.
+    """
+
+    def __init__(self, flags, core):
+        self.flags = flags
+        self.core = core
+
+    def parse_flags(self, argv, description, options_class):
+        """`(config, model_overrides, options)` from `argv`; exits 2 on a bad flag."""
+        module = importlib.import_module(self.flags)
+        return module.parse_flags(argv, description=description, options_class=options_class)
+
+    def run(self, config, model_overrides, distribution):
+        """Runs the core; returns 0, or 2 after one `error:` line on stderr."""
+        from tfgpt.training.loop import TrainingDiverged
+
+        module, name = self.core.split(":")
+        core = getattr(importlib.import_module(module), name)
+        try:
+            core(config, model_overrides=model_overrides, distribution=distribution)
+        except (ValueError, TrainingDiverged) as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+        return 0
+
+
+TRAIN = Command("tfgpt.training.flags", "tfgpt.training.trainer:train")
+FINETUNE = Command("tfgpt.finetuning.flags", "tfgpt.finetuning.finetuner:finetune")

@@ -1,0 +1,246 @@
+"""The run core every kind of run shares: model and optimizer, checkpoints, the loop.
+
+`tfgpt.training.trainer.train` (pretraining) and
+`tfgpt.finetuning.finetuner.finetune` read their data and build their
+models their own way; both then go through these, in order:
+`existing_checkpoints` (refuse to overwrite a run), `start_up_warnings`,
+`build_model_and_optimizer`, `make_checkpointer`, `run_record` (what
+config.json records), and `run_loop`: the steps, windowed logging with
+tokens/s and MFU, the profiler, checkpoints with the divergence check,
+and the final save.
+"""
+
+import dataclasses
+import math
+import os
+import signal
+import time
+
+import keras
+import tensorflow as tf
+
+from tfgpt.training import flops
+from tfgpt.training.checkpointing import Checkpointer
+from tfgpt.training.optimizers import make_optimizer
+from tfgpt.training.precision import slow_precision_warning
+from tfgpt.training.profiling import StepProfiler
+
+POLICIES = {"off": "float32", "float16": "mixed_float16", "bfloat16": "mixed_bfloat16"}
+# Test-only fault injection: SIGKILL this process right after the checkpoint
+# of this step is on disk, to prove that resuming is exact.
+_KILL_AFTER_SAVE = "TFGPT_FAULT_KILL_AFTER_SAVE"
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN or infinite."""
+
+
+def existing_checkpoints(config):
+    """Whether `config.out` holds checkpoints; raises unless `config.resume`."""
+    found = tf.train.latest_checkpoint(config.out) is not None
+    if found and not config.resume:
+        raise ValueError(
+            f"--out {config.out} already holds checkpoints: pass --resume to continue "
+            "that run, or choose another --out"
+        )
+    return found
+
+
+def towers_of(config, distribution):
+    """An explicit --towers wins; 0 takes what the distribution split its threads for."""
+    return config.towers or distribution.towers
+
+
+def warmup_warning(config, steps):
+    """A warning (str) when the warmup lasts the whole run of `steps` steps, else None."""
+    warmup = config.warmup_steps_of(steps)
+    if warmup < steps:
+        return None
+    return (
+        f"{config.WARMUP_FLAG} gives {warmup} warmup steps for a run of {steps}: the "
+        "learning rate climbs for the whole run, reaches its peak only at the last step "
+        f"and never decays ({config.schedule}); raise --steps or shorten the warmup"
+    )
+
+
+def start_up_warnings(report, config, steps):
+    """Logs (chief only) what would make this run slow or not what was meant."""
+    for warning in (slow_precision_warning(config.mixed_precision), warmup_warning(config, steps)):
+        if warning:
+            report.info(f"warning: {warning}")
+
+
+def build_model_and_optimizer(config, distribution, build_model, steps):
+    """`(model, optimizer, step)`: identical initial weights on every worker (seeded).
+
+    `build_model()` runs in the distribution's scope, under the precision
+    policy; the optimizer's slots exist before the first step, so that
+    rank 0's whole state can be broadcast (`run_loop`'s caller does).
+    """
+    keras.utils.set_random_seed(config.seed)
+    keras.config.set_dtype_policy(POLICIES[config.mixed_precision])
+    with distribution.scope():
+        model = build_model()
+        optimizer = distribution.configure_optimizer(
+            make_optimizer(config, distribution.size, steps=steps)
+        )
+        optimizer.build(model.trainable_variables)
+        step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
+    return model, optimizer, step
+
+
+def _seed_generator_states(model):
+    # Dropout's random state lives in Keras SeedGenerators, which
+    # tf.train.Checkpoint does not reach through the layers: list them.
+    return [v.value for v in model.variables if "seed_generator_state" in v.path]
+
+
+def make_checkpointer(config, distribution, model, optimizer, step):
+    """The chief saves model, optimizer, step and dropout state in `config.out`."""
+    return Checkpointer(
+        config.out,
+        distribution.is_chief,
+        keep=config.keep_checkpoints,
+        collective=distribution.saves_collectively,
+        rank=distribution.rank,
+        model=model,
+        optimizer=optimizer,
+        step=step,
+        rng=_seed_generator_states(model),
+    )
+
+
+def run_record(config, distribution):
+    """The run's settings for config.json: the config's fields and the front
+    end's distribution options (`--fp16-allreduce`, `--strategy`, ...)."""
+    record = dataclasses.asdict(config)
+    if distribution.options is not None:
+        record.update(dataclasses.asdict(distribution.options))
+    return record
+
+
+def run_loop(config, distribution, report, *, model, optimizer, step, train_step, batches,
+             checkpointer, steps, global_batch, sequence_length, data_checkpointer=None,
+             perplexity=False):
+    """Runs steps `step + 1` to `steps`, logging and saving; returns the last logged metrics.
+
+    Every `log_every` steps (and at step 1 and the last), the loss and the
+    step's metrics averaged over the window and the workers, the learning
+    rate, the gradient norm, tokens/s, sequences/s and MFU (with
+    `perplexity`, exp(loss) too; under float16 the loss scale and the
+    skipped steps). A NaN or infinite loss stops the run without saving.
+    Checkpoints every `save_every` steps and at the end.
+
+    Args:
+        config: the run config (`tfgpt.config.training.RunConfig`).
+        distribution: a `tfgpt.distributed` object.
+        report: `tfgpt.training.reporter.Reporter`.
+        model, optimizer, step: from `build_model_and_optimizer`.
+        train_step: `tfgpt.training.train_step.TrainStep`.
+        batches: iterator of this worker's batches.
+        checkpointer: from `make_checkpointer`.
+        steps: int. The step to end at.
+        global_batch: int. Sequences per step over all workers.
+        sequence_length: int. Tokens per sequence, for tokens/s and MFU.
+        data_checkpointer: a `Checkpointer` of this worker's data position,
+            saved before the model, or None.
+        perplexity: bool. Log exp(loss) (language-model losses).
+    """
+
+    def save(at_step, last_loss):
+        if not math.isfinite(last_loss):
+            raise TrainingDiverged(
+                f"loss is {last_loss} at step {at_step}; not saving it over the last "
+                f"good checkpoint ({checkpointer.latest})"
+            )
+        # Data positions first, so that a model checkpoint on disk always
+        # has the data positions of every worker for the same step.
+        if data_checkpointer is not None:
+            data_checkpointer.save(at_step)
+            distribution.allreduce_mean(tf.constant(0.0))  # barrier
+        path = checkpointer.save(at_step)
+        if int(os.environ.get(_KILL_AFTER_SAVE, "-1")) == at_step:
+            # Fault injection (tests): every worker dies once the chief's
+            # checkpoint is on disk. Without the barrier a non-chief rank
+            # could die first, and horovodrun would stop the chief mid-write.
+            distribution.allreduce_mean(tf.constant(0.0))
+            os.kill(os.getpid(), signal.SIGKILL)
+        return path
+
+    # MFU: the model's FLOPs against this worker's peak, measured on the
+    # towers and threads the steps run on.
+    flops_per_token = flops.flops_per_token(model, sequence_length)
+    peak = config.peak_flops or flops.measure_matmul_peak(
+        "float32" if config.mixed_precision == "off" else config.mixed_precision,
+        towers=towers_of(config, distribution),
+    )
+    report.info(
+        f"MFU basis: {flops_per_token / 1e6:.1f} MFLOP per token (6N + 12 L C T), "
+        f"peak {peak / 1e9:.1f} GFLOP/s per worker "
+        f"({'given' if config.peak_flops else 'measured: 2048^2 matmul chain'})"
+    )
+
+    start = int(step.numpy())
+    tokens_per_step = global_batch * sequence_length
+    metrics, mean_loss = {}, float("nan")
+    window_start, window_steps, window_sums = time.perf_counter(), 0, {}
+    profiler = StepProfiler(
+        config.profile_range(), os.path.join(config.out, "profile"), distribution.is_chief
+    )
+    for current in range(start, steps):
+        profiler.before(current + 1)
+        step_metrics = train_step(next(batches))
+        step.assign(current + 1)
+        if profiler.after(current + 1, step_metrics, current + 1 == steps):
+            report.info(f"profiler trace of steps {config.profile_steps} in {profiler.directory}")
+        window_sums = {
+            name: window_sums.get(name, 0.0) + value for name, value in step_metrics.items()
+        }
+        window_steps += 1
+        last = current + 1 == steps
+        # Windows end at multiples of log_every (and at step 1), so a resumed
+        # run logs the same averages as an uninterrupted one.
+        if (current + 1) % config.log_every == 0 or last or current == 0:
+            # The loss and the task's own metrics, averaged over the window
+            # and the workers in one collective.
+            names = ["loss"] + sorted(set(window_sums) - {"loss", "gradient_norm"})
+            means = distribution.allreduce_mean(
+                tf.stack([tf.cast(window_sums[name], tf.float32) for name in names]) / window_steps
+            ).numpy()
+            mean_loss = float(means[0])
+            if not math.isfinite(mean_loss):
+                raise TrainingDiverged(
+                    f"loss is {mean_loss} at step {current + 1}; stopping without saving "
+                    f"(last good checkpoint: {checkpointer.latest})"
+                )
+            elapsed = time.perf_counter() - window_start
+            metrics = {"loss": mean_loss}
+            if perplexity:
+                metrics["perplexity"] = math.exp(min(mean_loss, 50.0))
+            metrics.update({
+                "learning_rate": float(optimizer.learning_rate),
+                "gradient_norm": float(step_metrics["gradient_norm"]),
+                **{name: float(value) for name, value in zip(names[1:], means[1:])},
+            })
+            if config.mixed_precision == "float16":
+                metrics["loss_scale"] = float(optimizer.dynamic_scale)
+                metrics["skipped_steps"] = float(
+                    (current + 1) - int(optimizer.inner_optimizer.iterations)
+                )
+            # The first step includes tracing and compilation: no rate for it.
+            if current + 1 - window_steps > start:
+                tokens_per_second = tokens_per_step * window_steps / elapsed
+                metrics["tokens_per_second"] = tokens_per_second
+                metrics["sequences_per_second"] = tokens_per_second / sequence_length
+                metrics["mfu"] = (
+                    flops_per_token * tokens_per_second / distribution.num_workers / peak
+                )
+            report.scalars(current + 1, metrics)
+            window_start, window_steps, window_sums = time.perf_counter(), 0, {}
+        if config.save_every and (current + 1) % config.save_every == 0 and not last:
+            save(current + 1, float(step_metrics["loss"]))
+    if int(step.numpy()) > start or not checkpointer.latest:
+        saved_path = save(int(step.numpy()), mean_loss)
+        if saved_path:
+            report.info(f"saved {saved_path}")
+    return metrics
