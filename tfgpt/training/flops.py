@@ -56,7 +56,7 @@ def flops_per_token(model, sequence_length):
     return 6 * parameters + 12 * layers * hidden * sequence_length
 
 
-def measure_matmul_peak(dtype="float32", towers=1, sizes=(1024, 2048), seconds=1.0):
+def measure_matmul_peak(dtype="float32", towers=1, sizes=(1024, 2048), seconds=2.0):
     """FLOP/s of `towers` matmul chains side by side: the peak this worker reaches.
 
     A worker with K towers runs K independent chains of ops in one graph,
@@ -65,10 +65,12 @@ def measure_matmul_peak(dtype="float32", towers=1, sizes=(1024, 2048), seconds=1
     measured the same way: K independent chains of `size` x `size`
     matmuls in one `tf.function`, on the current threading settings. One
     chain on one tower's threads would measure a fraction of the worker
-    and let MFU read above 1. Each size in `sizes` is measured for about
-    `seconds / len(sizes)` after a warm-up call, and the largest rate is
-    returned: a cross-check, since a size that fits the caches badly
-    reads low.
+    and let MFU read above 1. Each size in `sizes` is timed call by call for
+    about `seconds / len(sizes)` after a warm-up call, and the fastest
+    call's rate over all sizes is the peak: a cross-check, since a size
+    that fits the caches badly reads low, and the fastest call rather than
+    the mean, since other processes on a shared machine take cores away
+    from some calls (a mean then under-reads the peak and MFU over-reads).
 
     Args:
         dtype: str. The matmul dtype ("float32", "bfloat16", "float16").
@@ -95,7 +97,7 @@ def measure_matmul_peak(dtype="float32", towers=1, sizes=(1024, 2048), seconds=1
 
 def _chains_rate(dtype, towers, size, seconds):
     """FLOP/s of `towers` independent chains of `size` x `size` matmuls."""
-    length = 8
+    length = 4
     # One matrix per chain, so that no chain waits on another's input.
     starts = [
         tf.cast(tf.random.normal([size, size], seed=tower) / size**0.5, dtype)
@@ -117,9 +119,9 @@ def _chains_rate(dtype, towers, size, seconds):
             output.numpy()
 
     call()
-    calls, start = 0, time.perf_counter()
-    while calls == 0 or time.perf_counter() - start < seconds:
+    fastest, start = float("inf"), time.perf_counter()
+    while fastest == float("inf") or time.perf_counter() - start < seconds:
+        begin = time.perf_counter()
         call()
-        calls += 1
-    elapsed = time.perf_counter() - start
-    return calls * towers * length * 2 * size**3 / elapsed
+        fastest = min(fastest, time.perf_counter() - begin)
+    return towers * length * 2 * size**3 / fastest
