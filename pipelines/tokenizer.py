@@ -49,6 +49,8 @@ from typing import Iterable, List, Optional, Sequence
 
 import sentencepiece
 
+from pipelines.files import write_atomically
+
 PAD_ID = 0
 UNK_ID = 1
 EOS_ID = 2
@@ -72,6 +74,42 @@ MINIMUM_VOCABULARY_SIZE = NUMBER_OF_BYTE_PIECES + NUMBER_OF_SPECIAL_PIECES + 1
 # SentencePiece silently skips training sentences longer than
 # `max_sentence_length` bytes, so long lines are cut into pieces this long.
 MAXIMUM_TRAINING_SENTENCE_BYTES = 16384
+
+
+def check_text(text) -> str:
+    """`text` if it is a str; otherwise a ValueError naming its type."""
+    if not isinstance(text, str):
+        raise ValueError(f"`text` must be a str. Received: text of type {type(text).__name__}")
+    return text
+
+
+def check_texts(texts: Iterable) -> List[str]:
+    """`texts` as a list if every one is a str; otherwise a ValueError naming the first other."""
+    texts = list(texts)
+    for index, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise ValueError(
+                f"`texts` must contain only str. Received: texts[{index}] "
+                f"of type {type(text).__name__}"
+            )
+    return texts
+
+
+def check_ids(ids: Iterable[int], vocabulary_size: int) -> List[int]:
+    """`ids` as a list of int if all are in `[0, vocabulary_size)`; otherwise a ValueError."""
+    ids = [int(token_id) for token_id in ids]
+    for token_id in ids:
+        if not 0 <= token_id < vocabulary_size:
+            raise ValueError(f"`ids` must be in [0, {vocabulary_size}). Received: id {token_id}")
+    return ids
+
+
+def from_file_contents(cls, contents, path: str):
+    """`cls(contents)`, with a ValueError from it prefixed by the file it was read from."""
+    try:
+        return cls(contents)
+    except ValueError as error:
+        raise ValueError(f"{path}: {error}") from None
 
 
 class Tokenizer:
@@ -142,10 +180,7 @@ class Tokenizer:
             raise ValueError(
                 f"Cannot read tokenizer model. Received: path={path!r} ({error.strerror})"
             ) from None
-        try:
-            return cls(model_proto)
-        except ValueError as error:
-            raise ValueError(f"{path}: {error}") from None
+        return from_file_contents(cls, model_proto, path)
 
     @property
     def model_proto(self) -> bytes:
@@ -205,7 +240,7 @@ class Tokenizer:
     def save(self, directory: str) -> str:
         """Write `tokenizer.model` into `directory` (atomically); returns its path."""
         path = os.path.join(directory, MODEL_FILENAME)
-        _write_atomically(path, self._model_proto)
+        write_atomically(path, self._model_proto)
         return path
 
     def settings(self) -> dict:
@@ -242,9 +277,7 @@ class Tokenizer:
         Returns:
             list of int.
         """
-        if not isinstance(text, str):
-            raise ValueError(f"`text` must be a str. Received: text of type {type(text).__name__}")
-        return self._processor.Encode(text)
+        return self._processor.Encode(check_text(text))
 
     def encode_batch(
         self, texts: Sequence[str], num_threads: Optional[int] = None
@@ -258,13 +291,7 @@ class Tokenizer:
         Returns:
             list of list of int, one per text, in order.
         """
-        texts = list(texts)
-        for index, text in enumerate(texts):
-            if not isinstance(text, str):
-                raise ValueError(
-                    f"`texts` must contain only str. Received: texts[{index}] "
-                    f"of type {type(text).__name__}"
-                )
+        texts = check_texts(texts)
         if num_threads is None:
             num_threads = os.cpu_count() or 1
         if num_threads < 1:
@@ -282,13 +309,7 @@ class Tokenizer:
         Returns:
             str.
         """
-        ids = [int(token_id) for token_id in ids]
-        for token_id in ids:
-            if not 0 <= token_id < self.vocabulary_size:
-                raise ValueError(
-                    f"`ids` must be in [0, {self.vocabulary_size}). Received: id {token_id}"
-                )
-        return self._processor.Decode(ids)
+        return self._processor.Decode(check_ids(ids, self.vocabulary_size))
 
     def tf_tokenizer(self):
         """Return an in-graph `tensorflow_text.SentencepieceTokenizer` of this model.
@@ -427,28 +448,6 @@ def train_tokenizer(
 
     model_proto = model_buffer.getvalue()
     if output_path is not None:
-        _write_atomically(output_path, model_proto)
+        write_atomically(output_path, model_proto)
     return Tokenizer(model_proto)
 
-
-def _write_atomically(path: str, data: bytes) -> None:
-    """Write `data` to `path` via a fsynced temporary file and a rename.
-
-    The temporary file is `.<name>.tmp` next to `path`, created with the
-    process umask like any other output file.
-    """
-    directory, name = os.path.split(os.path.abspath(path))
-    temporary_path = os.path.join(directory, f".{name}.tmp")
-    if os.path.exists(temporary_path):
-        os.remove(temporary_path)  # Left over by an interrupted earlier write.
-    file_descriptor = os.open(temporary_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with os.fdopen(file_descriptor, "wb") as output_file:
-            output_file.write(data)
-            output_file.flush()
-            os.fsync(output_file.fileno())
-        os.replace(temporary_path, path)
-    except BaseException:
-        if os.path.exists(temporary_path):
-            os.remove(temporary_path)
-        raise

@@ -31,6 +31,9 @@ import hashlib
 import os
 from typing import Iterable, List, Optional, Sequence
 
+from pipelines.files import write_atomically
+from pipelines.tokenizer import check_ids, check_text, check_texts, from_file_contents
+
 VOCABULARY_FILENAME = "vocab.txt"
 RESERVED_TOKENS = ("[PAD]", "[UNK]", "[EOS]", "[CLS]", "[SEP]", "[MASK]")
 PAD_ID, UNK_ID, EOS_ID, CLS_ID, SEP_ID, MASK_ID = range(len(RESERVED_TOKENS))
@@ -78,10 +81,7 @@ class WordPieceTokenizer:
             ) from None
         if vocabulary and vocabulary[-1] == "":
             vocabulary.pop()
-        try:
-            return cls(vocabulary)
-        except ValueError as error:
-            raise ValueError(f"{path}: {error}") from None
+        return from_file_contents(cls, vocabulary, path)
 
     @property
     def model_proto(self) -> bytes:
@@ -90,10 +90,8 @@ class WordPieceTokenizer:
 
     def save(self, directory: str) -> str:
         """Write `vocab.txt` into `directory` (atomically); returns its path."""
-        from pipelines.tokenizer import _write_atomically
-
         path = os.path.join(directory, VOCABULARY_FILENAME)
-        _write_atomically(path, self.model_proto)
+        write_atomically(path, self.model_proto)
         return path
 
     @property
@@ -139,9 +137,7 @@ class WordPieceTokenizer:
         return self._tokenizer
 
     def encode(self, text: str) -> List[int]:
-        if not isinstance(text, str):
-            raise ValueError(f"`text` must be a str. Received: text of type {type(text).__name__}")
-        return self.encode_batch([text])[0]
+        return self.encode_batch([check_text(text)])[0]
 
     def encode_batch(
         self, texts: Sequence[str], num_threads: Optional[int] = None
@@ -149,13 +145,7 @@ class WordPieceTokenizer:
         """Encode several texts (one TensorFlow call); `num_threads` is ignored."""
         import tensorflow as tf
 
-        texts = list(texts)
-        for index, text in enumerate(texts):
-            if not isinstance(text, str):
-                raise ValueError(
-                    f"`texts` must contain only str. Received: texts[{index}] "
-                    f"of type {type(text).__name__}"
-                )
+        texts = check_texts(texts)
         if not texts:
             return []
         ragged = self.tf_tokenizer().tokenize(tf.constant(texts))  # (B, pieces)
@@ -167,12 +157,7 @@ class WordPieceTokenizer:
         """Lower-cased words joined by spaces; special ids are dropped."""
         import tensorflow as tf
 
-        ids = [int(token_id) for token_id in ids]
-        for token_id in ids:
-            if not 0 <= token_id < self.vocabulary_size:
-                raise ValueError(
-                    f"`ids` must be in [0, {self.vocabulary_size}). Received: id {token_id}"
-                )
+        ids = check_ids(ids, self.vocabulary_size)
         ids = [token_id for token_id in ids if token_id >= len(RESERVED_TOKENS)]
         if not ids:
             return ""
@@ -181,6 +166,19 @@ class WordPieceTokenizer:
 
     def sha256(self) -> str:
         return hashlib.sha256(self.model_proto).hexdigest()
+
+
+def check_vocabulary_size(vocabulary_size) -> None:
+    """Raise ValueError unless `vocabulary_size` is an int of at least `MINIMUM_VOCABULARY_SIZE`."""
+    if (
+        isinstance(vocabulary_size, bool)
+        or not isinstance(vocabulary_size, int)
+        or vocabulary_size < MINIMUM_VOCABULARY_SIZE
+    ):
+        raise ValueError(
+            f"`vocabulary_size` must be an int of at least {MINIMUM_VOCABULARY_SIZE} for "
+            f"WordPiece. Received: vocabulary_size={vocabulary_size!r}"
+        )
 
 
 def train_wordpiece(
@@ -197,15 +195,7 @@ def train_wordpiece(
     Returns:
         WordPieceTokenizer.
     """
-    if (
-        isinstance(vocabulary_size, bool)
-        or not isinstance(vocabulary_size, int)
-        or (vocabulary_size < MINIMUM_VOCABULARY_SIZE)
-    ):
-        raise ValueError(
-            f"`vocabulary_size` must be an int of at least {MINIMUM_VOCABULARY_SIZE} for "
-            f"WordPiece. Received: vocabulary_size={vocabulary_size!r}"
-        )
+    check_vocabulary_size(vocabulary_size)
     import tensorflow as tf
     from tensorflow_text.tools.wordpiece_vocab import bert_vocab_from_dataset
 
@@ -222,7 +212,5 @@ def train_wordpiece(
     )
     tokenizer = WordPieceTokenizer(vocabulary[:vocabulary_size])
     if output_path is not None:
-        from pipelines.tokenizer import _write_atomically
-
-        _write_atomically(output_path, tokenizer.model_proto)
+        write_atomically(output_path, tokenizer.model_proto)
     return tokenizer

@@ -19,7 +19,9 @@ import pytest
 import tensorflow as tf
 
 from pipelines import default_corpus, prepare, reader
+from pipelines.prepare import resume, shard_writer
 from pipelines.errors import DataError
+from pipelines.tfrecord import serialize_records
 from pipelines.tokenizer import Tokenizer, train_tokenizer
 
 # A vocabulary must hold 3 special + 256 byte pieces + the corpus's characters;
@@ -27,6 +29,7 @@ from pipelines.tokenizer import Tokenizer, train_tokenizer
 VOCABULARY_SIZE = 384
 SEQ_LEN = 11  # Records hold 12 tokens.
 TINY_SHARD_SIZE = "3K"  # About 50 records per shard: over ten shards.
+REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 WORDS = (
     "tensor shard record token vocabulary gradient layer model batch worker "
@@ -320,7 +323,7 @@ def test_serialize_records_matches_protobuf():
     records = generator.integers(0, 2**31, size=(5, 13))
     records[0, : len(boundaries)] = boundaries
     records[1] = generator.integers(0, 300, size=13)
-    for row, serialized in zip(records, prepare.serialize_records(records)):
+    for row, serialized in zip(records, serialize_records(records)):
         expected = tf.train.Example(
             features=tf.train.Features(
                 feature={
@@ -330,13 +333,13 @@ def test_serialize_records_matches_protobuf():
         ).SerializeToString()
         assert serialized == expected
     long_records = generator.integers(0, 50_000, size=(2, 1025))  # Multi-byte lengths.
-    for row, serialized in zip(long_records, prepare.serialize_records(long_records)):
+    for row, serialized in zip(long_records, serialize_records(long_records)):
         assert (
             tf.train.Example.FromString(serialized).features.feature["input_ids"].int64_list.value
             == row.tolist()
         )
     with pytest.raises(ValueError, match="`records` must be non-negative. Received: minimum -1"):
-        prepare.serialize_records(np.array([[3, -1]]))
+        serialize_records(np.array([[3, -1]]))
 
 
 def test_make_dataset_batches_have_static_int32_shapes(all_train_dataset):
@@ -760,7 +763,7 @@ def test_cli_errors_print_one_line_and_exit_2(tmp_path, capsys):
         ],
         capture_output=True,
         text=True,
-        cwd=os.path.dirname(os.path.dirname(prepare.__file__)),
+        cwd=REPOSITORY,
     )
     assert completed.returncode == 2
     assert "Traceback" not in completed.stderr
@@ -790,10 +793,10 @@ def test_crash_mid_write_leaves_no_final_shard_and_no_manifest(corpus, tmp_path,
     # 100 records is two shards in: some shards are complete (closed,
     # fsynced) when the crash comes, and still must not appear under final names.
     monkeypatch.setattr(
-        prepare._SplitWriter, "_write_record", fail_after(100, prepare._SplitWriter._write_record)
+        shard_writer.SplitWriter, "_write_record", fail_after(100, shard_writer.SplitWriter._write_record)
     )
     monkeypatch.setattr(
-        prepare, "_remove_temporary_files", lambda directory: None
+        resume, "remove_temporary_files", lambda directory: None
     )  # As after kill -9.
     with pytest.raises(RuntimeError, match="simulated crash"):
         prepare.prepare(**prepare_arguments(tmp_path, *corpus["inputs"]))
@@ -811,7 +814,7 @@ def test_failed_overwrite_keeps_the_old_dataset(corpus, all_train_dataset, tmp_p
     data_dir = copy_dataset(all_train_dataset[0], tmp_path / "copy")
     before = sorted(os.listdir(data_dir))
     monkeypatch.setattr(
-        prepare._SplitWriter, "_write_record", fail_after(30, prepare._SplitWriter._write_record)
+        shard_writer.SplitWriter, "_write_record", fail_after(30, shard_writer.SplitWriter._write_record)
     )
     with pytest.raises(RuntimeError, match="simulated crash"):
         prepare.prepare(**dict(prepare_arguments(data_dir, *corpus["inputs"]), overwrite=True))

@@ -21,6 +21,7 @@ import pytest
 import tensorflow as tf
 
 from pipelines import prepare, reader, sources
+from pipelines.prepare import encoding, progress
 from pipelines.errors import DataError
 from pipelines.tokenizer import Tokenizer, train_tokenizer
 from tests.test_pipelines import (
@@ -227,7 +228,7 @@ def test_resume_after_interrupt_skips_finished_chunks(
         if len(finished) == 2:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(prepare, "_on_chunk_encoded", interrupt_after_two)
+    monkeypatch.setattr(encoding, "on_chunk_encoded", interrupt_after_two)
     with pytest.raises(KeyboardInterrupt):
         run(tmp_path / "out", many_files["inputs"], tokenizer_path)
     names = os.listdir(tmp_path / "out")
@@ -241,7 +242,7 @@ def test_resume_after_interrupt_skips_finished_chunks(
         shard_file.seek(30)
         shard_file.write(b"\xff")
 
-    monkeypatch.setattr(prepare, "_on_chunk_encoded", finished.append)
+    monkeypatch.setattr(encoding, "on_chunk_encoded", finished.append)
     finished.clear()
     messages = []
     resumed = run(tmp_path / "out", many_files["inputs"], tokenizer_path, log=messages.append)
@@ -259,12 +260,13 @@ def test_resume_after_kill_9(many_files, tokenizer_path, reference_run, tmp_path
     script = textwrap.dedent(f"""
         import os, signal, sys
         from pipelines import prepare
+        from pipelines.prepare import encoding
         finished = []
         def crash(chunk_index):
             finished.append(chunk_index)
             if len(finished) == 2 and os.environ.get("CRASH"):
                 os.kill(os.getpid(), signal.SIGKILL)
-        prepare._on_chunk_encoded = crash
+        encoding.on_chunk_encoded = crash
         sys.exit(prepare.main(sys.argv[1:]))
         """)
     argv = [sys.executable, "-c", script, "--output", str(tmp_path / "out")]
@@ -295,12 +297,13 @@ def test_a_dead_worker_fails_the_run_at_once_and_the_rerun_completes(
     script = textwrap.dedent("""
         import os, signal, sys
         from pipelines import prepare
-        real = prepare._encode_chunk
+        from pipelines.prepare import encoding
+        real = encoding.encode_chunk
         def dying(job, chunk_index, segments, counters):
             if chunk_index == 3 and os.environ.get("CRASH"):
                 os.kill(os.getpid(), signal.SIGKILL)
             return real(job, chunk_index, segments, counters)
-        prepare._encode_chunk = dying  # Forked workers inherit it.
+        encoding.encode_chunk = dying  # Forked workers inherit it.
         sys.exit(prepare.main(sys.argv[1:]))
         """)
     argv = [sys.executable, "-c", script, "--output", str(tmp_path / "out")]
@@ -326,7 +329,7 @@ def test_a_dead_worker_fails_the_run_at_once_and_the_rerun_completes(
 
 def test_changed_input_starts_over(many_files, tokenizer_path, tmp_path, monkeypatch):
     monkeypatch.setattr(
-        prepare, "_on_chunk_encoded", lambda index: (_ for _ in ()).throw(KeyboardInterrupt)
+        encoding, "on_chunk_encoded", lambda index: (_ for _ in ()).throw(KeyboardInterrupt)
     )
     inputs = list(many_files["inputs"])
     copy = tmp_path / "copy.jsonl"
@@ -354,7 +357,7 @@ def test_a_locked_output_directory_is_refused(many_files, tokenizer_path, tmp_pa
 
 
 def test_progress_reports_documents_rate_and_eta(many_files, tokenizer_path, tmp_path, monkeypatch):
-    monkeypatch.setattr(prepare, "PROGRESS_INTERVAL_SECONDS", 0.0)
+    monkeypatch.setattr(progress, "PROGRESS_INTERVAL_SECONDS", 0.0)
     messages = []
     run(tmp_path / "out", many_files["inputs"], tokenizer_path, log=messages.append)
     lines = [message for message in messages if message.startswith("encode+write: ")]

@@ -1,9 +1,9 @@
-"""`python -m pipelines.prepare`: see `pipelines.prepare`."""
+"""`python -m pipelines.prepare`: see `pipelines.prepare.cli`."""
 
 import signal
 import sys
 
-from pipelines.prepare import main
+from pipelines.prepare.cli import main
 
 if __name__ == "__main__":
     # SIGTERM (a scheduler's stop) is an interruption like Ctrl-C: finished

@@ -1,0 +1,209 @@
+"""What a data directory holds: `manifest.json`'s schema, record formats, file names.
+
+`python -m pipelines.prepare` writes a data directory; `pipelines.reader`
+and `pipelines.encoder_data` read it. Both sides take every format, field
+and file name from this module, so each is spelled once. Importing it
+imports no TensorFlow (nor anything outside the standard library).
+
+A data directory:
+
+    manifest.json                       written last: without it, not a dataset
+    tokenizer.model or vocab.txt        the SentencePiece model or WordPiece vocabulary
+    train-00000-of-00012.tfrecord ...   the shards, `{split}-{index:05d}-of-{count:05d}.tfrecord`
+    val-00000-of-00001.tfrecord ...
+
+Record formats (the manifest's `format`, chosen by `prepare --format`):
+
+- `packed` ("tfgpt-packed-tokens", GPT): a `tf.train.Example` with one
+  int64 feature `input_ids` of `record_length = seq_len + 1` tokens.
+- `encoder` ("tfgpt-encoder-segments", BERT/ALBERT): an Example with int64
+  features `token_ids` (a document's consecutive segments back to back, at
+  most `record_length = seq_len - 3` tokens) and `segment_lengths`.
+
+`format_version` is 1 for uncompressed packed data (what the first readers
+understood) and 2 for anything else; a reader refuses other versions.
+
+The manifest's keys are the fields of `Manifest`, in the order written,
+with `TokenizerDescription`, `Split`, `Shard` and `Totals` nested in it.
+"""
+
+import re
+from typing import Dict, List, NotRequired, Optional, TypedDict
+
+MANIFEST_FILENAME = "manifest.json"
+SPLITS = ("train", "val")
+
+PACKED_FORMAT = "tfgpt-packed-tokens"
+ENCODER_FORMAT = "tfgpt-encoder-segments"
+# `prepare --format` value -> the manifest's `format`.
+RECORD_FORMATS = {"packed": PACKED_FORMAT, "encoder": ENCODER_FORMAT}
+PACKED_FEATURE = "input_ids"
+ENCODER_FEATURES = ("token_ids", "segment_lengths")
+SUPPORTED_FORMAT_VERSIONS = (1, 2)
+# The manifest's `compression`: TFRecord compression types as TensorFlow names them.
+COMPRESSIONS = (None, "GZIP")
+
+SHARD_FILENAME_PATTERN = re.compile(r"^(train|val)-\d{5}-of-\d{5}\.tfrecord$")
+
+
+def shard_filename(split: str, index: int, count: int) -> str:
+    """The final name of shard `index` of `count` in a split, e.g. `train-00003-of-00012.tfrecord`."""
+    return f"{split}-{index:05d}-of-{count:05d}.tfrecord"
+
+
+def format_version(record_format: str, compression: Optional[str]) -> int:
+    """1 for uncompressed packed data, otherwise 2.
+
+    Args:
+        record_format: str. A key of `RECORD_FORMATS`: "packed" or "encoder".
+        compression: None or "GZIP".
+    """
+    return 1 if record_format == "packed" and compression is None else 2
+
+
+def record_feature(record_format: str) -> str:
+    """The manifest's `feature`: the int64 feature holding a record's tokens."""
+    return PACKED_FEATURE if record_format == "packed" else ENCODER_FEATURES[0]
+
+
+class Shard(TypedDict):
+    """One shard file of a split.
+
+    Keys:
+        filename: str. `shard_filename(split, index, count)`.
+        sequences: int. Records in the file.
+        tokens: int. Tokens in those records.
+        bytes: int. The file's size on disk (compressed, if it is).
+        sha256: str. Hex SHA-256 of the file.
+        chunk: int. The input chunk the records came from.
+    """
+
+    filename: str
+    sequences: int
+    tokens: int
+    bytes: int
+    sha256: str
+    chunk: int
+
+
+class Split(TypedDict):
+    """`splits.train` or `splits.val`.
+
+    Keys:
+        documents: int.
+        tokens: int. For packed data `sequences * record_length +
+            dropped_tail_tokens`.
+        sequences: int. Records.
+        dropped_tail_tokens: int. Each chunk's partial last record (packed),
+            or records of fewer than 2 tokens (encoder).
+        segments: int. Encoder data only: segments in the records.
+        shards: list of `Shard`, in reading order.
+    """
+
+    documents: int
+    tokens: int
+    sequences: int
+    dropped_tail_tokens: int
+    segments: NotRequired[int]
+    shards: List[Shard]
+
+
+class TokenizerDescription(TypedDict):
+    """The manifest's `tokenizer`: how to load it and its special ids.
+
+    Keys:
+        type: str. "sentencepiece" or "wordpiece".
+        model_type: str. "bpe", "unigram" or "wordpiece".
+        byte_fallback: bool.
+        normalization: str. The normalization rule's name.
+        add_dummy_prefix: bool.
+        model_file: str. "tokenizer.model" or "vocab.txt", in the directory.
+        sha256: str. Hex SHA-256 of that file.
+        vocabulary_size: int.
+        pad_id, unk_id, bos_id, eos_id: int. -1 when absent.
+        eos_piece: str.
+        cls_id, sep_id, mask_id: int. -1 when absent (packed-only tokenizers).
+        trained: bool. True if prepare trained it, False if reused.
+        source: str or None. The reused tokenizer's absolute path.
+        sample_documents, sample_bytes: int or None. The training sample.
+    """
+
+    type: str
+    model_type: str
+    byte_fallback: bool
+    normalization: str
+    add_dummy_prefix: bool
+    model_file: str
+    sha256: str
+    vocabulary_size: int
+    pad_id: int
+    unk_id: int
+    bos_id: int
+    eos_id: int
+    eos_piece: str
+    cls_id: int
+    sep_id: int
+    mask_id: int
+    trained: bool
+    source: Optional[str]
+    sample_documents: Optional[int]
+    sample_bytes: Optional[int]
+
+
+class Totals(TypedDict):
+    """The manifest's `totals`, over both splits and every input.
+
+    Keys:
+        documents, input_bytes, skipped_empty_documents, tokens, sequences,
+        dropped_tail_tokens: int.
+    """
+
+    documents: int
+    input_bytes: int
+    skipped_empty_documents: int
+    tokens: int
+    sequences: int
+    dropped_tail_tokens: int
+
+
+class Manifest(TypedDict):
+    """The contents of `manifest.json`.
+
+    Keys:
+        format: str. `PACKED_FORMAT` or `ENCODER_FORMAT`.
+        format_version: int. `format_version(record_format, compression)`.
+        feature: str. `record_feature(record_format)`.
+        seq_len: int. The model's context length.
+        record_length: int. `seq_len + 1` (packed; every record) or
+            `seq_len - 3` (encoder; the most tokens of a record).
+        compression: None or "GZIP".
+        tokenizer: `TokenizerDescription`.
+        splits: dict. "train" and "val", each a `Split`.
+        totals: `Totals`.
+        inputs: list of str. Absolute input paths, `tfds:NAME:SPLIT`, or
+            the built-in corpus's description.
+        input_patterns: list of str or None. `--input` as given.
+        tfds: list of str or None. `--tfds` as given.
+        seed, val_fraction, shard_size, chunk_size: the flags' values.
+        chunks: int. Number of input chunks.
+        split_rule: str. How a document's split was decided, in words.
+    """
+
+    format: str
+    format_version: int
+    feature: str
+    seq_len: int
+    record_length: int
+    compression: Optional[str]
+    tokenizer: TokenizerDescription
+    splits: Dict[str, Split]
+    totals: Totals
+    inputs: List[str]
+    input_patterns: Optional[List[str]]
+    tfds: Optional[List[str]]
+    seed: int
+    val_fraction: float
+    shard_size: int
+    chunk_size: int
+    chunks: int
+    split_rule: str

@@ -1,0 +1,206 @@
+"""Step 4 of `pipelines.prepare`, writing: one chunk's records of one split, in shards.
+
+`SplitWriter` packs documents into records (`packed`: a token stream cut
+into records of `seq_len + 1` tokens; `encoder`: a document's segments,
+from `split_segments`, grouped into records of at most `seq_len - 3`
+tokens), frames them with `pipelines.tfrecord` (no TensorFlow) and rolls a
+new shard before one would pass `--shard-size` bytes. Each chunk writes its
+own temporary shards, so chunks can be written in any order and a
+finished chunk survives a crash; the commit gives them their final names.
+"""
+
+import os
+import re
+from typing import List
+
+import numpy as np
+
+from pipelines.manifest import ENCODER_FEATURES
+from pipelines.tfrecord import FRAMING_BYTES, TFRecordWriter, serialize_example, serialize_records
+
+# A chunk's shards until the commit: `.{split}-c{chunk:05d}-{index:05d}.tfrecord.tmp`
+# (group 2 names the chunk; shards of runs before chunking have none).
+TEMPORARY_SHARD_PATTERN = re.compile(r"^\.(train|val)-(c\d{5}-)?\d{5}\.tfrecord\.tmp$")
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
+
+
+def temporary_shard_name(split: str, chunk_index: int, index: int) -> str:
+    """The name of a chunk's shard until the commit renames it."""
+    return f".{split}-c{chunk_index:05d}-{index:05d}.tfrecord.tmp"
+
+
+def split_segments(text: str) -> List[str]:
+    """Cut a document into segments: its lines, then sentences (a `.`, `!` or `?` then space)."""
+    segments = []
+    for line in text.split("\n"):
+        for sentence in _SENTENCE_END.split(line.strip()):
+            if sentence.strip():
+                segments.append(sentence)
+    return segments
+
+
+class SplitWriter:
+    """Writes one chunk's records of one split and rolls shards by size.
+
+    Packed format: documents (each followed by EOS) are packed into records
+    of exactly `record_length` tokens; the partial record left at the end of
+    the chunk is dropped. Encoder format: each document's segments are
+    grouped into records of at most `record_length` tokens.
+
+    Args:
+        split: str. "train" or "val".
+        directory: str. The output directory.
+        chunk_index: int. Names the temporary shards.
+        record_length: int. `seq_len + 1` (packed) or `seq_len - 3` (encoder).
+        shard_size: int. A shard is closed before a record would take it past
+            this many (uncompressed) bytes; a shard holds at least one record.
+        compression: None or "GZIP".
+        record_format: str. "packed" or "encoder".
+    """
+
+    def __init__(
+        self,
+        split,
+        directory,
+        chunk_index,
+        record_length,
+        shard_size,
+        compression=None,
+        record_format="packed",
+    ):
+        self.split = split
+        self.directory = directory
+        self.chunk_index = chunk_index
+        self.record_length = record_length
+        self.shard_size = shard_size
+        self.compression = compression
+        self.record_format = record_format
+        self.shards = []  # dicts: temporary_name, sequences, tokens, bytes, sha256.
+        self.documents = 0
+        self.tokens = 0
+        self.segments = 0
+        self.dropped_tokens = 0
+        self._carry = np.zeros((0,), dtype=np.int64)
+        self._writer = None
+        self._current = None
+        self._current_tokens = 0
+
+    def add_documents(self, token_lists: List[List[int]], eos_id: int) -> None:
+        """Packed format: append documents (each followed by EOS); write full records."""
+        if not token_lists:
+            return
+        lengths = [len(token_ids) + 1 for token_ids in token_lists]
+        stream = np.full(sum(lengths), eos_id, dtype=np.int64)
+        position = 0
+        for token_ids, length in zip(token_lists, lengths):
+            stream[position : position + length - 1] = token_ids
+            position += length
+        self.documents += len(token_lists)
+        self.tokens += len(stream)
+        stream = np.concatenate([self._carry, stream])
+        number_of_records = len(stream) // self.record_length
+        records = stream[: number_of_records * self.record_length].reshape(
+            number_of_records, self.record_length
+        )  # (records, seq_len + 1)
+        self._carry = stream[number_of_records * self.record_length :].copy()
+        for serialized in serialize_records(records):
+            self._current_tokens = self.record_length
+            self._write_record(serialized)
+
+    def add_segmented_documents(self, documents: List[List[List[int]]]) -> None:
+        """Encoder format: each document is a list of segments (token lists)."""
+        limit = self.record_length
+        for segments in documents:
+            self.documents += 1
+            group, group_tokens = [], 0
+            for segment in segments:
+                if not segment:
+                    continue
+                self.tokens += len(segment)
+                for start in range(0, len(segment), limit):
+                    piece = segment[start : start + limit]
+                    if group and group_tokens + len(piece) > limit:
+                        self._write_group(group, group_tokens)
+                        group, group_tokens = [], 0
+                    group.append(piece)
+                    group_tokens += len(piece)
+            if group:
+                self._write_group(group, group_tokens)
+
+    def _write_group(self, group, group_tokens) -> None:
+        if group_tokens < 2:  # No A/B pair can be made.
+            self.dropped_tokens += group_tokens
+            return
+        self.segments += len(group)
+        serialized = serialize_example(
+            {
+                ENCODER_FEATURES[0]: [token for piece in group for token in piece],
+                ENCODER_FEATURES[1]: [len(piece) for piece in group],
+            }
+        )
+        self._current_tokens = group_tokens
+        self._write_record(serialized)
+
+    def _write_record(self, serialized: bytes) -> None:
+        size = len(serialized) + FRAMING_BYTES
+        if (
+            self._current is not None
+            and self._current["uncompressed_bytes"] + size > self.shard_size
+        ):
+            self._close_shard()
+        if self._current is None:
+            self._open_shard()
+        self._writer.write(serialized)
+        self._current["uncompressed_bytes"] += size
+        self._current["sequences"] += 1
+        self._current["tokens"] += self._current_tokens
+
+    def _open_shard(self) -> None:
+        name = temporary_shard_name(self.split, self.chunk_index, len(self.shards))
+        self._current = {
+            "temporary_name": name,
+            "sequences": 0,
+            "tokens": 0,
+            "uncompressed_bytes": 0,
+        }
+        self.shards.append(self._current)
+        self._writer = TFRecordWriter(os.path.join(self.directory, name), self.compression)
+
+    def _close_shard(self) -> None:
+        closed = self._writer.close()
+        self._writer = None
+        self._current["bytes"] = closed["bytes"]
+        self._current["sha256"] = closed["sha256"]
+        del self._current["uncompressed_bytes"]
+        self._current = None
+
+    def close(self) -> None:
+        """Close the last shard. A packed partial record left over is dropped."""
+        if self._current is not None:
+            self._close_shard()
+
+    def abort(self) -> None:
+        """Close the open writer without finishing (used on errors)."""
+        if self._writer is not None:
+            self._writer.abort()
+            self._writer = None
+
+    @property
+    def sequences(self) -> int:
+        return sum(shard["sequences"] for shard in self.shards)
+
+    @property
+    def dropped_tail_tokens(self) -> int:
+        return len(self._carry) + self.dropped_tokens
+
+    def summary(self) -> dict:
+        summary = {
+            "documents": self.documents,
+            "tokens": self.tokens,
+            "sequences": self.sequences,
+            "dropped_tail_tokens": self.dropped_tail_tokens,
+            "shards": [dict(shard) for shard in self.shards],
+        }
+        if self.record_format == "encoder":
+            summary["segments"] = self.segments
+        return summary
