@@ -26,6 +26,7 @@ def test_two_ranks_read_different_data_learn_and_end_identical(tiny_data, tmp_pa
     script = REPO / "tests" / "hvd_scripts" / "train_and_dump.py"
     code, output = horovodrun(2, script, tmp_path, *flags)
     assert code == 0, output
+    assert "warning: --warmup-steps" not in output  # 5 warmup steps of 60
     ranks = [np.load(tmp_path / f"rank-{rank}.npz") for rank in (0, 1)]
     assert not np.array_equal(ranks[0]["first_inputs"], ranks[1]["first_inputs"])
     weights = [key for key in ranks[0] if key.startswith("weight_")]
@@ -72,6 +73,8 @@ def test_train_hvd_entry_point_resumes_and_refuses_to_overwrite(tiny_data, tmp_p
     code, output = horovodrun(2, *base, "--steps", "4", "--save-every", "2")
     assert code == 0, output
     assert "validation loss" in output
+    # The default 100 warmup steps outlast the run: said once, by rank 0 only.
+    assert output.count("warning: --warmup-steps gives 100 warmup steps for a run of 4") == 1
     code, output = run([sys.executable, *base, "--steps", "4"])
     assert code == 2 and "pass --resume" in output, output
     code, output = horovodrun(2, *base, "--steps", "6", "--resume")

@@ -287,7 +287,9 @@ def _train(argv):
 
 
 @pytest.mark.parametrize("precision", ["bfloat16", "float16"])
-def test_trainer_runs_mixed_precision_with_xla_and_logs_its_metrics(small_data, tmp_path, precision):
+def test_trainer_runs_mixed_precision_with_xla_and_logs_its_metrics(
+    small_data, tmp_path, precision, capsys
+):
     import json
 
     import keras
@@ -309,9 +311,13 @@ def test_trainer_runs_mixed_precision_with_xla_and_logs_its_metrics(small_data, 
     assert ("loss_scale" in last) == (precision == "float16")
     if precision == "float16":
         assert last["skipped_steps"] >= 0
+    # 4 steps with the default 100 warmup steps: said once, at start-up.
+    warnings = [line for line in capsys.readouterr().out.splitlines()
+                if line.startswith("warning: --warmup-steps gives 100 warmup steps for a run of 4")]
+    assert len(warnings) == 1
 
 
-def test_nan_loss_stops_without_saving(small_data, tmp_path):
+def test_nan_loss_stops_without_saving(small_data, tmp_path, capsys):
     from tfgpt.training.trainer import TrainingDiverged
 
     with pytest.raises(TrainingDiverged, match="loss is nan"):
@@ -319,6 +325,7 @@ def test_nan_loss_stops_without_saving(small_data, tmp_path):
                 "--log-every", "3", "--batch-size", "4", "--learning-rate", "1e30",
                 "--warmup-steps", "0", "--gradient-clip-norm", "0", "--peak-flops", "1e10", *TINY])
     assert not list(tmp_path.glob("ckpt-*"))
+    assert "warmup" not in capsys.readouterr().out  # no warmup, no warning
 
 
 def test_resume_with_a_contradicting_architecture_flag_is_refused(small_data, tmp_path):

@@ -18,9 +18,10 @@ DEFAULT_SEQUENCE_LENGTH = {"classification": 128, "squad": 384}
 class FinetuneConfig(RunConfig):
     """What to fine-tune on which data, and how.
 
-    The fields are these and `RunConfig`'s. Every field is a flag of `finetune_hvd.py` and `finetune_mirrored.py`
-    (`train_file` is `--train-file`). The defaults are BERT's fine-tuning
-    recipe (Devlin et al. 2019, appendix A.3).
+    The fields are these and `RunConfig`'s. Every field is a flag of
+    `finetune_hvd.py` and `finetune_mirrored.py` (`train_file` is
+    `--train-file`). The defaults are BERT's fine-tuning recipe (Devlin et
+    al. 2019, appendix A.3).
 
     Args:
         task: str. `classification` (text -> label, accuracy) or `squad`

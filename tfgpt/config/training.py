@@ -185,7 +185,8 @@ class RunConfig:
 class TrainConfig(RunConfig):
     """How to pretrain: data, model, task, and what every run shares.
 
-    The fields are these and `RunConfig`'s. Every field is a flag of `train_hvd.py` and `train_mirrored.py`.
+    The fields are these and `RunConfig`'s. Every field is a flag of
+    `train_hvd.py` and `train_mirrored.py`.
 
     Args:
         data: str. Directory written by `python -m pipelines.prepare`

@@ -80,15 +80,20 @@ def encode_training_records(config, train, tokenizer):
     if config.task == "classification":
         texts, label_ids = train
         return encode_classification(texts, tokenizer, config.max_sequence_length), label_ids
-    features = squad_features(
-        train,
+    features = squad_windows(train, tokenizer, config)
+    labels = {"start_positions": features.start_positions, "end_positions": features.end_positions}
+    return features.inputs(), labels
+
+
+def squad_windows(examples, tokenizer, config):
+    """SQuAD features of `examples`: each context cut into windows of `config`'s sizes."""
+    return squad_features(
+        examples,
         tokenizer,
         max_sequence_length=config.max_sequence_length,
         stride=config.doc_stride,
         max_question_length=config.max_query_length,
     )
-    labels = {"start_positions": features.start_positions, "end_positions": features.end_positions}
-    return features.inputs(), labels
 
 
 def training_dataset(inputs, labels, config, input_context, seed, skip=0):

@@ -14,7 +14,8 @@ import numpy as np
 import tensorflow as tf
 
 from tfgpt.finetuning.classification import encode_classification
-from tfgpt.finetuning.squad import gold_answers, postprocess_predictions, squad_features
+from tfgpt.finetuning.data import squad_windows
+from tfgpt.finetuning.squad import gold_answers, postprocess_predictions
 from tfgpt.finetuning.squad_metrics import squad_scores
 
 
@@ -79,13 +80,7 @@ def evaluate_squad(model, config, tokenizer, examples, version, distribution):
     mine = examples[distribution.rank :: distribution.num_workers]
     predictions = {}
     if mine:
-        features = squad_features(
-            mine,
-            tokenizer,
-            max_sequence_length=config.max_sequence_length,
-            stride=config.doc_stride,
-            max_question_length=config.max_query_length,
-        )
+        features = squad_windows(mine, tokenizer, config)
         outputs = predict_batches(model, features.inputs(), config.batch_size, config.xla)
         predictions = postprocess_predictions(
             mine,

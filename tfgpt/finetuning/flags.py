@@ -31,7 +31,7 @@ def parse_flags(argv=None, description="Fine-tune an encoder.", options_class=No
     With `options_class` (`tfgpt.config.distribution`), its flags are
     added and `(FinetuneConfig, model_overrides, options)` returned.
     """
-    config, model_overrides, options = parse_config_flags(
+    return parse_config_flags(
         argv,
         description,
         FinetuneConfig,
@@ -44,6 +44,3 @@ def parse_flags(argv=None, description="Fine-tune an encoder.", options_class=No
         _check_random_model,
         options_class,
     )
-    if options_class is not None:
-        return config, model_overrides, options
-    return config, model_overrides

@@ -92,7 +92,8 @@ def _own_fields_first(cls):
     for base in cls.__mro__[1:]:
         if dataclasses.is_dataclass(base):
             inherited |= {field.name for field in dataclasses.fields(base)}
-    return [f for f in fields if f.name not in inherited] + [f for f in fields if f.name in inherited]
+    own = [field for field in fields if field.name not in inherited]
+    return own + [field for field in fields if field.name in inherited]
 
 
 def add_config_flags(group, cls):
@@ -165,7 +166,7 @@ def add_model_flags(group, model_classes, skip=(), default_text="the preset's va
 
 def parse_config_flags(argv, description, config_class, model_group, check_model,
                        options_class=None):
-    """Parses `argv` into `(config, model_overrides, options)`.
+    """Parses `argv` into `(config, model_overrides)`, and `options` with an `options_class`.
 
     Args:
         argv: list of str, or None for `sys.argv[1:]`.
@@ -174,8 +175,9 @@ def parse_config_flags(argv, description, config_class, model_group, check_model
         model_group: `(title, model classes, fields left out, default text)`.
         check_model: `check_model(config, model_overrides)` raises
             ValueError when the model flags do not fit the config.
-        options_class: the front end's distribution options dataclass, or
-            None (then `options` is None).
+        options_class: the front end's distribution options dataclass
+            (`tfgpt.config.distribution`), whose flags are added and whose
+            instance is returned third; or None.
 
     Invalid values exit with status 2 and one `error:` line naming the
     flag, before anything is built.
@@ -200,7 +202,7 @@ def parse_config_flags(argv, description, config_class, model_group, check_model
         check_model(config, model_overrides)
     except ValueError as error:
         parser.error(str(error))
-    return config, model_overrides, options
+    return (config, model_overrides) + ((options,) if options_class else ())
 
 
 def require_model_fields(cls, model_overrides, preset, family_name):
@@ -229,7 +231,7 @@ def parse_flags(argv=None, description="Train a GPT, BERT or ALBERT.", options_c
     With `options_class` (`tfgpt.config.distribution`), its flags are
     added and `(TrainConfig, model_overrides, options)` returned.
     """
-    config, model_overrides, options = parse_config_flags(
+    return parse_config_flags(
         argv,
         description,
         TrainConfig,
@@ -237,6 +239,3 @@ def parse_flags(argv=None, description="Train a GPT, BERT or ALBERT.", options_c
         _check_pretraining_model,
         options_class,
     )
-    if options_class is not None:
-        return config, model_overrides, options
-    return config, model_overrides
