@@ -63,6 +63,10 @@ def test_fp16_allreduce_keeps_ranks_identical(tiny_data, tmp_path):
         np.testing.assert_array_equal(ranks[0][key], ranks[1][key], err_msg=key)
     losses = _train_losses(tmp_path / "run")
     assert losses[6] < losses[1]
+    # config.json records the Horovod front end's options beside TrainConfig's.
+    train = json.loads((tmp_path / "run" / "config.json").read_text())["train"]
+    assert train["fp16_allreduce"] is True and train["allreduce_bucket_mb"] == 3.0
+    assert "strategy" not in train
 
 
 @pytest.mark.distributed

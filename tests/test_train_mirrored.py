@@ -51,6 +51,10 @@ def test_single_process_horovod_and_mirrored_give_the_same_losses(one_file_data,
                         "--logical-cpus", "2", *_flags(one_file_data, tmp_path / "mirrored", 4)])
     assert code == 0, output
     assert "2 replica(s)" in output
+    # config.json records the tf.distribute front end's options, not Horovod's.
+    train = json.loads((tmp_path / "mirrored" / "config.json").read_text())["train"]
+    assert train["strategy"] == "mirrored" and train["logical_cpus"] == 2
+    assert "fp16_allreduce" not in train and "allreduce_bucket_mb" not in train
     single = _train_losses(tmp_path / "single")
     assert sorted(single) == [1, 2, 3, 4, 5, 6]
     # Float32 sums in another order: agreement to 1e-4 over 6 updates.

@@ -34,6 +34,7 @@ def parse_flags(argv=None, description="Fine-tune an encoder.", options_class=No
     return parse_config_flags(
         argv,
         description,
+        "%(prog)s --train-file FILE [--init DIR] [--task {classification,squad}] [options]",
         FinetuneConfig,
         (
             "model (a random --preset; only --dropout with --init)",

@@ -112,8 +112,14 @@ def add_config_flags(group, cls):
                   choices.get(field.name))
 
 
-# What a value looks like in `--help`: `--steps N`, `--learning-rate X`.
+# What a value looks like in `--help`: `--steps N`, `--learning-rate X`,
+# `--data DIR`; other strings show their flag's name.
 _METAVARS = {int: "N", float: "X"}
+_STRING_METAVARS = {
+    "data": "DIR", "out": "DIR", "init": "DIR", "preset": "NAME", "tokenizer": "PATH",
+    "train_file": "FILE", "validation_file": "FILE", "labels": "A,B,...",
+    "profile_steps": "START,END",
+}
 
 
 def _add_flag(group, name, kind, help_text, default, choices=None):
@@ -124,7 +130,8 @@ def _add_flag(group, name, kind, help_text, default, choices=None):
     if kind is str and default is not argparse.SUPPRESS:
         help_text += " (default: %(default)r)"  # shows an empty default as ''
     group.add_argument(_flag(name), type=kind, default=default, choices=choices,
-                       metavar=None if choices else _METAVARS.get(kind, name.upper()),
+                       metavar=None if choices else _METAVARS.get(
+                           kind, _STRING_METAVARS.get(name, name.upper())),
                        help=help_text)
 
 
@@ -164,13 +171,14 @@ def add_model_flags(group, model_classes, skip=(), default_text="the preset's va
                       MODEL_CHOICES.get(field.name))
 
 
-def parse_config_flags(argv, description, config_class, model_group, check_model,
+def parse_config_flags(argv, description, usage, config_class, model_group, check_model,
                        options_class=None):
     """Parses `argv` into `(config, model_overrides)`, and `options` with an `options_class`.
 
     Args:
         argv: list of str, or None for `sys.argv[1:]`.
         description: str. The front end's docstring, shown by `--help`.
+        usage: str. The usage line: the required flags, then `[options]`.
         config_class: the run config dataclass (`TrainConfig`, ...).
         model_group: `(title, model classes, fields left out, default text)`.
         check_model: `check_model(config, model_overrides)` raises
@@ -182,7 +190,9 @@ def parse_config_flags(argv, description, config_class, model_group, check_model
     Invalid values exit with status 2 and one `error:` line naming the
     flag, before anything is built.
     """
-    parser = argparse.ArgumentParser(description=description, formatter_class=FlagHelpFormatter)
+    parser = argparse.ArgumentParser(
+        usage=usage, description=description, formatter_class=FlagHelpFormatter
+    )
     add_config_flags(parser.add_argument_group(_title(config_class)), config_class)
     title, model_classes, skip, default_text = model_group
     add_model_flags(parser.add_argument_group(title), model_classes, skip, default_text)
@@ -234,6 +244,7 @@ def parse_flags(argv=None, description="Train a GPT, BERT or ALBERT.", options_c
     return parse_config_flags(
         argv,
         description,
+        "%(prog)s --data DIR [--preset NAME] [options]",
         TrainConfig,
         ("model (override the preset)", MODEL_CONFIGS, (), "the preset's value"),
         _check_pretraining_model,
