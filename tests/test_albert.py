@@ -1,7 +1,6 @@
 """ALBERT: NumPy oracles, factorised embeddings, parameter sharing, counts, saving, errors."""
 
 import dataclasses
-import inspect
 
 import keras
 import numpy as np
@@ -9,7 +8,11 @@ import pytest
 import tensorflow as tf
 
 from tests import numpy_encoder as ref
-from tfgpt import ALBERT_PRESETS, Albert, AlbertBackbone, AlbertConfig, SpanQuestionAnswerer
+from tests.model_contract import check_presets, run_encoder_contract
+from tfgpt import Albert, AlbertBackbone, AlbertConfig, SpanQuestionAnswerer
+from tfgpt.config import FAMILIES
+from tfgpt.layers.transformer_block import set_recompute
+from tfgpt.training.train_step import cross_entropy
 
 # Distinct sizes: E (8) != H (12), and num_layers (4) != num_groups (2) != batch.
 BATCH, LENGTH, HIDDEN, EMBEDDING, HEADS, INTERMEDIATE, VOCAB, LAYERS = 3, 7, 12, 8, 3, 20, 37, 4
@@ -189,15 +192,24 @@ def albert_parameter_count(config):
 
     Embeddings (V + P + S) * E with their layer norm 2E; the projection
     E*H + H; per shared group the attention 4(H^2 + H), two layer norms 4H
-    and the feed-forward H*I + I + I*H + H; the pooler H^2 + H. The layer
-    count L does not appear: layers share the groups' parameters.
+    and the feed-forward H*I + I + I*H + H; the pooler H^2 + H; and with
+    pre-LN blocks the final layer norm 2H. The layer count L does not
+    appear: layers share the groups' parameters.
     """
     V, E, H = config.vocabulary_size, config.embedding_dim, config.hidden_dim
     I, P = config.intermediate_dim, config.max_sequence_length
     S, G = config.num_segments, config.num_groups
     embeddings = (V + P + S) * E + 2 * E
     group = 4 * (H * H + H) + 4 * H + (H * I + I) + (I * H + H)
-    return embeddings + (E * H + H) + G * group + (H * H + H)
+    final_norm = 2 * H if config.norm_first else 0
+    return embeddings + (E * H + H) + G * group + (H * H + H) + final_norm
+
+
+def pretraining_heads_parameter_count(config):
+    """Albert's heads: the masked-LM transform H*E + E, its layer norm 2E,
+    the output bias V and the sentence-order classifier 2H + 2."""
+    H, E, V = config.hidden_dim, config.embedding_dim, config.vocabulary_size
+    return (H * E + E) + 2 * E + V + (2 * H + 2)
 
 
 # Backbones (with pooler) for the 30000-id SentencePiece vocabulary, equal to
@@ -210,8 +222,7 @@ ALBERT_PARAMETERS = {
     "albert-xlarge": 58_724_864,
     "albert-xxlarge": 222_595_584,
 }
-# Albert adds the masked-LM transform H*E + E, its layer norm 2E, the output
-# bias V and the sentence-order classifier 2H + 2.
+# Albert adds its pretraining heads (`pretraining_heads_parameter_count`).
 ALBERT_PRETRAINING_PARAMETERS = {
     "albert-base": 11_813_810,
     "albert-large": 17_847_474,
@@ -232,6 +243,10 @@ ALBERT_PRETRAINING_PARAMETERS = {
 def test_albert_parameter_counts(preset):
     config = AlbertConfig.from_preset(preset)
     assert albert_parameter_count(config) == ALBERT_PARAMETERS[preset]
+    assert (
+        ALBERT_PARAMETERS[preset] + pretraining_heads_parameter_count(config)
+        == ALBERT_PRETRAINING_PARAMETERS[preset]
+    )
     model = Albert(**dataclasses.asdict(config))
     assert model.backbone.count_params() == ALBERT_PARAMETERS[preset]
     assert model.count_params() == ALBERT_PRETRAINING_PARAMETERS[preset]
@@ -264,53 +279,74 @@ def test_albert_parameter_counts_equal_transformers(preset):
     )
 
 
-# ---- Configuration and saving -------------------------------------------
+# ---- The model contract --------------------------------------------------
 
 
 @pytest.mark.parametrize("cls", [Albert, AlbertBackbone])
-def test_get_config_has_every_init_argument_and_round_trips(cls):
-    model = cls(
-        **tiny_config(dropout=0.1, activation="relu", norm_first=True, num_groups=2, num_segments=3)
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {
+            "dropout": 0.1,
+            "activation": "relu",
+            "norm_first": True,
+            "num_groups": 2,
+            "num_segments": 3,
+        },
+    ],
+    ids=["shared", "every-field-changed"],
+)
+def test_model_contract(tmp_path, cls, overrides):
+    config = AlbertConfig(**tiny_config(layer_norm_epsilon=1e-6, **overrides))
+    pretraining = cls is Albert
+    positions = {"mask_positions": np.array([[1, 2], [0, 4], [3, 3]], "int32")}
+    run_encoder_contract(
+        cls,
+        config,
+        {**tiny_inputs(), **(positions if pretraining else {})},
+        tmp_path,
+        albert_parameter_count(config)
+        + (pretraining_heads_parameter_count(config) if pretraining else 0),
+        prepare=lambda model: ref.randomize(model, seed=3),
+        mixed_policy="mixed_float16",
     )
-    config = model.get_config()
-    arguments = [
-        name
-        for name in inspect.signature(cls.__init__).parameters
-        if name not in ("self", "kwargs")
-    ]
-    assert set(arguments) <= set(config)
-    assert set(arguments) == {field.name for field in dataclasses.fields(AlbertConfig)}
-    clone = cls.from_config(config)
-    assert clone.get_config() == config
 
 
 def test_presets_have_every_field():
-    fields = {field.name for field in dataclasses.fields(AlbertConfig)}
-    for name, preset in ALBERT_PRESETS.items():
-        assert set(preset) == fields, name
+    check_presets(FAMILIES["albert"])
     assert Albert.from_preset("albert-demo", num_layers=2).backbone.num_layers == 2
 
 
-@pytest.mark.parametrize("overrides", [{}, {"num_groups": 2, "norm_first": True}])
-def test_keras_file_round_trip_gives_identical_outputs(tmp_path, overrides):
-    model = Albert(**tiny_config(**overrides))
-    ref.randomize(model, seed=3)
-    inputs = {**tiny_inputs(), "mask_positions": np.array([[1, 2], [0, 4], [3, 3]], "int32")}
-    path = tmp_path / "albert.keras"
-    model.save(path)
-    restored = keras.models.load_model(path)
-    assert isinstance(restored, Albert)
-    expected, actual = model(inputs), restored(inputs)
-    for key in expected:
-        np.testing.assert_array_equal(actual[key].numpy(), expected[key].numpy())
+def test_recomputing_shared_blocks_leaves_two_steps_unchanged():
+    """With dropout, a block shared by several layers is recomputed layer by
+    layer; the dropout states must end where the forward pass left them, or
+    the second step would replay masks (tests/test_recompute.py, for GPT)."""
 
+    def two_steps(recompute):
+        keras.utils.set_random_seed(3)
+        model = Albert(**tiny_config(dropout=0.3, num_groups=2))
+        assert set_recompute(model, recompute) == 2
+        inputs = {**tiny_inputs(), "mask_positions": np.array([[1, 2], [0, 4], [3, 3]], "int32")}
+        targets = np.random.default_rng(1).integers(0, VOCAB, (BATCH, 2))
 
-def test_mixed_precision_keeps_float32_variables_and_logits():
-    model = Albert(**tiny_config(), dtype="mixed_float16")
-    outputs = model(tiny_inputs())
-    assert outputs["mlm_logits"].dtype == tf.float32
-    assert outputs["sop_logits"].dtype == tf.float32
-    assert {v.dtype for v in model.weights} == {"float32"}
+        @tf.function
+        def step():
+            with tf.GradientTape() as tape:
+                loss = cross_entropy(targets, model(inputs, training=True)["mlm_logits"])
+            return loss, tape.gradient(loss, [v.value for v in model.trainable_variables])
+
+        return [step() for _ in range(2)]
+
+    plain, recomputed = two_steps(False), two_steps(True)
+    assert float(plain[0][0]) != float(plain[1][0])  # dropout is live
+    for (loss, grads), (loss_r, grads_r) in zip(plain, recomputed):
+        assert float(loss_r) == pytest.approx(float(loss), rel=1e-6)
+        for g, g_r in zip(grads, grads_r):
+            if g is not None:
+                np.testing.assert_allclose(
+                    tf.convert_to_tensor(g_r).numpy(), tf.convert_to_tensor(g).numpy(), atol=1e-6
+                )
 
 
 # ---- Bad input ----------------------------------------------------------
@@ -324,6 +360,7 @@ def test_mixed_precision_keeps_float32_variables_and_logits():
         ({"embedding_dim": 0}, r"embedding_dim=0"),
         ({"hidden_dim": 10, "num_heads": 4}, r"hidden_dim=10, num_heads=4"),
         ({"activation": "gelu_new"}, r"activation='gelu_new'"),
+        ({"num_segments": 0}, r"num_segments=0"),
     ],
 )
 def test_bad_config_raises(overrides, message):

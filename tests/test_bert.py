@@ -1,7 +1,6 @@
 """BERT: NumPy oracles, padding, heads, parameter counts, saving, errors."""
 
 import dataclasses
-import inspect
 
 import keras
 import numpy as np
@@ -9,9 +8,10 @@ import pytest
 import tensorflow as tf
 
 from tests import numpy_encoder as ref
-from tfgpt import BERT_PRESETS, Bert, BertBackbone, BertConfig, SequenceClassifier
-from tfgpt import SpanQuestionAnswerer
-from tfgpt.layers import ClassificationHead, EncoderBlock, SelfAttention
+from tests.model_contract import check_presets, run_encoder_contract
+from tfgpt import Bert, BertBackbone, BertConfig, SequenceClassifier, SpanQuestionAnswerer
+from tfgpt.config import FAMILIES
+from tfgpt.layers import ClassificationHead, SelfAttention, TransformerBlock
 
 # Distinct sizes so that no two dimensions can be confused for each other.
 BATCH, LENGTH, HIDDEN, HEADS, INTERMEDIATE, VOCAB, LAYERS, MAX_LENGTH = 2, 7, 12, 3, 20, 37, 3, 16
@@ -59,8 +59,14 @@ def test_self_attention_matches_numpy_reference_with_padding():
 @pytest.mark.parametrize("norm_first", [False, True])
 @pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu"])
 def test_encoder_block_matches_numpy_reference(norm_first, activation):
-    block = EncoderBlock(
-        HIDDEN, HEADS, INTERMEDIATE, activation=activation, norm_first=norm_first
+    block = TransformerBlock(
+        HIDDEN,
+        HEADS,
+        INTERMEDIATE,
+        attention="bidirectional",
+        activation=activation,
+        norm_first=norm_first,
+        layer_norm_epsilon=1e-12,
     )
     x = np.random.default_rng(3).normal(size=(BATCH, LENGTH, HIDDEN)).astype("float32")
     mask = tiny_inputs()["padding_mask"]
@@ -209,19 +215,27 @@ def bert_parameter_count(config):
 
     Embeddings V*H + P*H + S*H and their layer norm 2H; per layer the four
     H x H attention projections with biases 4(H^2 + H), two layer norms 4H,
-    the feed-forward H*I + I + I*H + H; the pooler H^2 + H.
+    the feed-forward H*I + I + I*H + H; the pooler H^2 + H; and with
+    pre-LN blocks the final layer norm 2H.
     """
     V, H, I = config.vocabulary_size, config.hidden_dim, config.intermediate_dim
     P, S, L = config.max_sequence_length, config.num_segments, config.num_layers
     embeddings = (V + P + S) * H + 2 * H
     layer = 4 * (H * H + H) + 4 * H + (H * I + I) + (I * H + H)
-    return embeddings + L * layer + (H * H + H)
+    final_norm = 2 * H if config.norm_first else 0
+    return embeddings + L * layer + (H * H + H) + final_norm
+
+
+def pretraining_heads_parameter_count(config):
+    """Bert's heads: the masked-LM transform H^2 + H, its layer norm 2H, the
+    output bias V and the next-sentence classifier 2H + 2."""
+    H, V = config.hidden_dim, config.vocabulary_size
+    return (H * H + H) + 2 * H + V + (2 * H + 2)
 
 
 # transformers' BertModel (with pooler) of the same shapes counts the same.
 BERT_PARAMETERS = {"bert-base": 109_482_240, "bert-large": 335_141_888}
-# Bert adds the masked-LM transform (H^2 + H), its layer norm (2H), the
-# output bias (V) and the next-sentence classifier (2H + 2).
+# Bert adds its pretraining heads (`pretraining_heads_parameter_count`).
 BERT_PRETRAINING_PARAMETERS = {"bert-base": 110_106_428, "bert-large": 336_226_108}
 
 
@@ -231,6 +245,10 @@ BERT_PRETRAINING_PARAMETERS = {"bert-base": 110_106_428, "bert-large": 336_226_1
 def test_bert_parameter_counts(preset):
     config = BertConfig.from_preset(preset)
     assert bert_parameter_count(config) == BERT_PARAMETERS[preset]
+    assert (
+        BERT_PARAMETERS[preset] + pretraining_heads_parameter_count(config)
+        == BERT_PRETRAINING_PARAMETERS[preset]
+    )
     model = Bert(**dataclasses.asdict(config))
     assert model.backbone.count_params() == BERT_PARAMETERS[preset]
     assert model.count_params() == BERT_PRETRAINING_PARAMETERS[preset]
@@ -259,43 +277,37 @@ def test_bert_parameter_counts_equal_transformers(preset):
     assert sum(p.numel() for p in pretraining.parameters()) == BERT_PRETRAINING_PARAMETERS[preset]
 
 
-# ---- Configuration and saving -------------------------------------------
+# ---- The model contract --------------------------------------------------
 
 
 @pytest.mark.parametrize("cls", [Bert, BertBackbone])
-def test_get_config_has_every_init_argument_and_round_trips(cls):
-    model = cls(**tiny_config(dropout=0.1, activation="relu", norm_first=True, num_segments=3))
-    config = model.get_config()
-    arguments = [
-        name
-        for name in inspect.signature(cls.__init__).parameters
-        if name not in ("self", "kwargs")
-    ]
-    assert set(arguments) <= set(config)
-    assert set(arguments) == {field.name for field in dataclasses.fields(BertConfig)}
-    clone = cls.from_config(config)
-    assert clone.get_config() == config
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"norm_first": False, "activation": "gelu_tanh"},
+        {"dropout": 0.1, "activation": "relu", "norm_first": True, "num_segments": 3},
+    ],
+    ids=["post-ln", "every-field-changed"],
+)
+def test_model_contract(tmp_path, cls, overrides):
+    config = BertConfig(**tiny_config(layer_norm_epsilon=1e-6, **overrides))
+    pretraining = cls is Bert
+    positions = {"mask_positions": np.array([[1, 2], [0, 4]], "int32")}
+    run_encoder_contract(
+        cls,
+        config,
+        {**tiny_inputs(), **(positions if pretraining else {})},
+        tmp_path,
+        bert_parameter_count(config)
+        + (pretraining_heads_parameter_count(config) if pretraining else 0),
+        prepare=lambda model: ref.randomize(model, seed=11),
+    )
 
 
 def test_presets_build_from_the_config_dataclass():
+    check_presets(FAMILIES["bert"])
     model = Bert.from_preset("bert-demo", num_layers=2)
     assert model.backbone.num_layers == 2
-    fields = {field.name for field in dataclasses.fields(BertConfig)}
-    assert all(set(preset) == fields for preset in BERT_PRESETS.values())
-
-
-@pytest.mark.parametrize("norm_first", [False, True])
-def test_keras_file_round_trip_gives_identical_outputs(tmp_path, norm_first):
-    model = Bert(**tiny_config(norm_first=norm_first, activation="gelu_tanh"))
-    ref.randomize(model, seed=11)
-    inputs = {**tiny_inputs(), "mask_positions": np.array([[1, 2], [0, 4]], "int32")}
-    path = tmp_path / "bert.keras"
-    model.save(path)
-    restored = keras.models.load_model(path)
-    assert isinstance(restored, Bert)
-    expected, actual = model(inputs), restored(inputs)
-    for key in expected:
-        np.testing.assert_array_equal(actual[key].numpy(), expected[key].numpy())
 
 
 @pytest.mark.parametrize("task", ["classification", "question_answering"])
@@ -315,14 +327,6 @@ def test_task_model_keras_file_round_trip(tmp_path, task):
     expected = keras.tree.flatten(model(inputs))
     for actual, wanted in zip(keras.tree.flatten(restored(inputs)), expected):
         np.testing.assert_array_equal(actual.numpy(), wanted.numpy())
-
-
-def test_mixed_precision_keeps_float32_variables_and_logits():
-    model = Bert(**tiny_config(), dtype="mixed_bfloat16")
-    outputs = model(tiny_inputs())
-    assert outputs["mlm_logits"].dtype == tf.float32
-    assert outputs["nsp_logits"].dtype == tf.float32
-    assert {v.dtype for v in model.weights} == {"float32"}
 
 
 # ---- Bad input ----------------------------------------------------------

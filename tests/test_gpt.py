@@ -1,7 +1,6 @@
 """GPT model: NumPy oracles, causality, parameter counts, saving, errors."""
 
 import dataclasses
-import inspect
 import math
 import sys
 
@@ -10,14 +9,16 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.model_contract import check_presets, run_model_contract
 from tfgpt import GPT, GPTConfig
+from tfgpt.config import FAMILIES
 from tfgpt.layers import CausalSelfAttention, TransformerBlock
 
 # Distinct sizes so that no two dimensions can be confused for each other.
 BATCH, LENGTH, HIDDEN, HEADS, INTERMEDIATE, VOCAB, LAYERS = 2, 5, 12, 3, 20, 37, 3
 
 
-def tiny_model(**overrides):
+def tiny_config(**overrides):
     config = dict(
         vocabulary_size=VOCAB,
         num_layers=LAYERS,
@@ -26,8 +27,11 @@ def tiny_model(**overrides):
         intermediate_dim=INTERMEDIATE,
         max_sequence_length=16,
     )
-    config.update(overrides)
-    return GPT(**config)
+    return {**config, **overrides}
+
+
+def tiny_model(**overrides):
+    return GPT(**tiny_config(**overrides))
 
 
 def random_ids(seed=0, batch=BATCH, length=LENGTH):
@@ -199,39 +203,51 @@ def test_gpt2_parameter_counts(preset):
     assert int(output.strip().splitlines()[-1]) == GPT2_PARAMETERS[preset]
 
 
-# ---- Configuration and saving -------------------------------------------
+# ---- The model contract --------------------------------------------------
 
 
-def test_get_config_has_every_init_argument_and_round_trips():
-    model = tiny_model(dropout=0.1, activation="relu", norm_first=False, tie_embeddings=False)
-    config = model.get_config()
-    arguments = [
-        name for name in inspect.signature(GPT.__init__).parameters if name not in ("self", "kwargs")
-    ]
-    assert set(arguments) <= set(config)
-    assert set(arguments) == {field.name for field in dataclasses.fields(GPTConfig)}
-    clone = GPT.from_config(config)
-    assert clone.get_config() == config
+def gpt_parameter_count(config):
+    """GPT's parameters from its architecture (Radford et al. 2019).
+
+    Embeddings (V + P) * C; per block the fused query/key/value projection
+    3(C^2 + C), the output projection C^2 + C, two layer norms 4C and the
+    feed-forward C*I + I + I*C + C; the final layer norm 2C (pre-LN) and
+    the output projection C*V unless tied.
+    """
+    V, C, I = config.vocabulary_size, config.hidden_dim, config.intermediate_dim
+    P, L = config.max_sequence_length, config.num_layers
+    block = 3 * (C * C + C) + (C * C + C) + 4 * C + (C * I + I) + (I * C + C)
+    final_norm = 2 * C if config.norm_first else 0
+    output = 0 if config.tie_embeddings else C * V
+    return (V + P) * C + L * block + final_norm + output
+
+
+def test_parameter_formula_gives_the_published_counts():
+    for preset, count in GPT2_PARAMETERS.items():
+        assert gpt_parameter_count(GPTConfig.from_preset(preset)) == count
 
 
 @pytest.mark.parametrize(
-    "overrides", [{}, {"norm_first": False, "tie_embeddings": False, "activation": "relu"}]
+    "overrides",
+    [{}, {"dropout": 0.1, "activation": "relu", "norm_first": False, "tie_embeddings": False}],
+    ids=["defaults", "every-field-changed"],
 )
-def test_keras_file_round_trip_gives_identical_logits(tmp_path, overrides):
-    model = tiny_model(**overrides)
-    ids = random_ids()
-    path = tmp_path / "model.keras"
-    model.save(path)
-    restored = keras.models.load_model(path)
-    assert isinstance(restored, GPT)
-    np.testing.assert_array_equal(restored(ids).numpy(), model(ids).numpy())
+def test_model_contract(tmp_path, overrides):
+    config = GPTConfig(**tiny_config(layer_norm_epsilon=1e-6, **overrides))
+    run_model_contract(
+        GPT,
+        config,
+        random_ids(),
+        expected_shapes=(BATCH, LENGTH, VOCAB),
+        tmp_path=tmp_path,
+        float32_outputs=("",),
+        parameter_count=gpt_parameter_count(config),
+    )
 
 
-def test_mixed_precision_keeps_float32_variables_and_logits():
-    model = tiny_model(dtype="mixed_bfloat16")
-    logits = model(random_ids())
-    assert logits.dtype == tf.float32
-    assert {v.dtype for v in model.weights} == {"float32"}
+def test_presets_have_every_field():
+    check_presets(FAMILIES["gpt"])
+    assert GPT.from_preset("gpt-demo", num_layers=2).num_layers == 2
 
 
 # ---- Bad input ----------------------------------------------------------
@@ -246,6 +262,10 @@ def test_mixed_precision_keeps_float32_variables_and_logits():
         ({"dropout": 1.0}, r"dropout=1.0"),
         ({"activation": "swish"}, r"activation='swish'"),
         ({"norm_first": "yes"}, r"norm_first='yes'"),
+        ({"tie_embeddings": 1}, r"tie_embeddings=1"),
+        ({"dropout": "0.1"}, r"dropout='0.1'"),
+        ({"layer_norm_epsilon": 0.0}, r"must be positive.*layer_norm_epsilon=0.0"),
+        ({"layer_norm_epsilon": "small"}, r"layer_norm_epsilon='small'"),
     ],
 )
 def test_bad_config_raises(overrides, message):
@@ -266,3 +286,15 @@ def test_sequence_longer_than_position_table_raises():
     model = tiny_model(max_sequence_length=6)
     with pytest.raises(ValueError, match=r"sequence_length=7.*max_sequence_length=6"):
         model(random_ids(length=7))
+
+
+def test_unknown_argument_raises():
+    with pytest.raises(ValueError, match=r"hidden_size"):
+        tiny_model(hidden_size=12)
+
+
+def test_block_takes_a_known_attention():
+    with pytest.raises(ValueError, match=r"`attention` must be one of.*attention='sparse'"):
+        TransformerBlock(HIDDEN, HEADS, INTERMEDIATE, attention="sparse")
+    with pytest.raises(ValueError, match=r"divisible.*hidden_dim=10, num_heads=4"):
+        CausalSelfAttention(hidden_dim=10, num_heads=4)

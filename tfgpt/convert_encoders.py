@@ -14,6 +14,7 @@ Layout differences handled here:
   backbone's token embedding and owns `output_bias`.
 - ALBERT stores `num_hidden_groups` shared layers under
   `albert_layer_groups.{g}.albert_layers.0`; they fill `backbone.blocks[g]`.
+  `_LAYOUTS` holds each family's tensor names.
 
 Example:
 >>> model = load_hf_encoder("checkpoints/bert-base-uncased")  # doctest: +SKIP
@@ -21,6 +22,7 @@ Example:
 """
 
 import dataclasses
+import functools
 import json
 import os
 import struct
@@ -28,13 +30,78 @@ import warnings
 
 import numpy as np
 
-from tfgpt.config import AlbertConfig, BertConfig
-from tfgpt.models.albert import Albert, AlbertBackbone
-from tfgpt.models.bert import Bert, BertBackbone
+from tfgpt.config import ENCODER_FAMILIES, FAMILIES
+from tfgpt.layers.layer_norm import LayerNorm
+from tfgpt.models.encoder_backbone import EncoderBackbone
+from tfgpt.models.encoder_pretraining_model import EncoderPretrainingModel
 from tfgpt.models.sequence_classifier import SequenceClassifier
 from tfgpt.models.span_question_answerer import SpanQuestionAnswerer
 
 HEADS = ("pretraining", "classification", "question_answering", None)
+
+
+# The sublayers of a `TransformerBlock`, in the order `_Layout.block_parts`
+# names them.
+_BLOCK_PARTS = (
+    "attention.query", "attention.key", "attention.value", "attention.output_projection",
+    "attention_norm", "feedforward_intermediate", "feedforward_output", "feedforward_norm",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """Where a transformers checkpoint of one family keeps what tfgpt's model holds.
+
+    `fields`: tfgpt config field -> (config.json key, default; None:
+    required), beyond the fields both families read alike. `required`:
+    config.json key -> the value tfgpt's model needs (None also accepted).
+    `block`: a block's tensor prefix, `{index}` its index in
+    `backbone.blocks`; `block_parts`: the names under it of `_BLOCK_PARTS`.
+    The rest name single tensors or layers.
+    """
+
+    fields: dict
+    required: dict
+    block: str
+    block_parts: tuple
+    pooler: str
+    masked_lm: str
+    masked_lm_transform: str
+    pair_classifier: str
+
+
+_LAYOUTS = {
+    "bert": _Layout(
+        fields={},
+        required={},
+        block="encoder.layer.{index}",
+        block_parts=(
+            "attention.self.query", "attention.self.key", "attention.self.value",
+            "attention.output.dense", "attention.output.LayerNorm",
+            "intermediate.dense", "output.dense", "output.LayerNorm",
+        ),
+        pooler="pooler.dense",
+        masked_lm="cls.predictions",
+        masked_lm_transform="transform.",
+        pair_classifier="cls.seq_relationship",
+    ),
+    # ALBERT stores `num_hidden_groups` shared layers under
+    # `albert_layer_groups.{g}.albert_layers.0`; they fill `backbone.blocks[g]`.
+    "albert": _Layout(
+        fields={"embedding_dim": ("embedding_size", None), "num_groups": ("num_hidden_groups", 1)},
+        required={"inner_group_num": 1},
+        block="encoder.albert_layer_groups.{index}.albert_layers.0",
+        block_parts=(
+            "attention.query", "attention.key", "attention.value",
+            "attention.dense", "attention.LayerNorm",
+            "ffn", "ffn_output", "full_layer_layer_norm",
+        ),
+        pooler="pooler",
+        masked_lm="predictions",
+        masked_lm_transform="",
+        pair_classifier="sop_classifier.classifier",
+    ),
+}
 
 # transformers' activation names (transformers/activations.py ACT2FN) that
 # equal a tfgpt activation.
@@ -140,22 +207,22 @@ def hf_encoder_config(hf_config, source="config.json"):
     positions, decoders, ALBERT's inner groups).
     """
     model_type = hf_config.get("model_type")
-    if model_type not in ("bert", "albert"):
+    if model_type not in ENCODER_FAMILIES:
         raise ValueError(
             f"{source}: expected a BERT or ALBERT checkpoint. Received: model_type={model_type!r}"
         )
-    unsupported = {
-        "position_embedding_type": ("absolute", None),
-        "is_decoder": (False, None),
-        "add_cross_attention": (False, None),
+    layout = _LAYOUTS[model_type]
+    required = {
+        "position_embedding_type": "absolute",
+        "is_decoder": False,
+        "add_cross_attention": False,
+        **layout.required,
     }
-    if model_type == "albert":
-        unsupported["inner_group_num"] = (1, None)
-    for field, allowed in unsupported.items():
-        if hf_config.get(field) not in allowed:
+    for field, needed in required.items():
+        if hf_config.get(field) not in (needed, None):
             raise ValueError(
                 f"{source}: unsupported architecture, tfgpt's {model_type} needs "
-                f"{field}={allowed[0]!r}. Received: {field}={hf_config.get(field)!r}"
+                f"{field}={needed!r}. Received: {field}={hf_config.get(field)!r}"
             )
     activation = hf_config.get("hidden_act")
     if activation not in _HF_ACTIVATIONS:
@@ -176,14 +243,10 @@ def hf_encoder_config(hf_config, source="config.json"):
         norm_first=False,
         layer_norm_epsilon=float(hf_config["layer_norm_eps"]),
     )
+    for field, (key, default) in layout.fields.items():
+        fields[field] = hf_config[key] if default is None else hf_config.get(key, default)
     try:
-        if model_type == "bert":
-            return BertConfig(**fields)
-        return AlbertConfig(
-            **fields,
-            embedding_dim=hf_config["embedding_size"],
-            num_groups=hf_config.get("num_hidden_groups", 1),
-        )
+        return FAMILIES[model_type].config_class(**fields)
     except ValueError as error:
         raise ValueError(f"{source}: {error}") from None
 
@@ -213,7 +276,7 @@ def load_hf_encoder(directory, family=None, head="pretraining"):
     """
     if head not in HEADS:
         raise ValueError(f"`head` must be one of {HEADS}. Received: head={head!r}")
-    if family not in ("bert", "albert", None):
+    if family not in (*ENCODER_FAMILIES, None):
         raise ValueError(f"`family` must be 'bert', 'albert' or None. Received: family={family!r}")
     hf_config, tensors = read_hf_checkpoint(directory)
     config = hf_encoder_config(hf_config, os.path.join(directory, "config.json"))
@@ -223,12 +286,11 @@ def load_hf_encoder(directory, family=None, head="pretraining"):
             f"{directory} holds a different architecture: expected a {family} checkpoint. "
             f"Received: model_type={model_type!r}"
         )
-    is_bert = model_type == "bert"
     fields = dataclasses.asdict(config)
     if head == "pretraining":
-        model = (Bert if is_bert else Albert)(**fields)
+        model = FAMILIES[model_type].pretraining_class()(**fields)
     else:
-        backbone = (BertBackbone if is_bert else AlbertBackbone)(**fields)
+        backbone = FAMILIES[model_type].backbone_class()(**fields)
         if head is None:
             model = backbone
         elif head == "classification":
@@ -254,15 +316,14 @@ def load_hf_weights(model, directory):
     """
     hf_config, tensors = read_hf_checkpoint(directory)
     config = hf_encoder_config(hf_config, os.path.join(directory, "config.json"))
-    backbone = _backbone_of(model)
-    family = "bert" if isinstance(backbone, BertBackbone) else "albert"
+    family = _family_of(model)
     if hf_config["model_type"] != family:
         raise ValueError(
             f"{directory} holds a different architecture: the model is a "
             f"{type(model).__name__}, the checkpoint has "
             f"model_type={hf_config['model_type']!r}"
         )
-    model_fields = backbone.get_config()
+    model_fields = _backbone_of(model).get_config()
     differences = [
         f"{name}: checkpoint {value!r}, model {model_fields[name]!r}"
         for name, value in dataclasses.asdict(config).items()
@@ -278,13 +339,23 @@ def load_hf_weights(model, directory):
 
 
 def _backbone_of(model):
-    if isinstance(model, (BertBackbone, AlbertBackbone)):
+    if isinstance(model, EncoderBackbone):
         return model
-    if isinstance(model, (Bert, Albert, SequenceClassifier, SpanQuestionAnswerer)):
+    if isinstance(model, (EncoderPretrainingModel, SequenceClassifier, SpanQuestionAnswerer)):
         return model.backbone
     raise ValueError(
         "`model` must be a tfgpt BERT or ALBERT model. "
         f"Received: model of type {type(model).__name__}"
+    )
+
+
+def _family_of(model):
+    """The name of the encoder family of `model`'s backbone."""
+    backbone = _backbone_of(model)
+    return next(
+        name
+        for name in ENCODER_FAMILIES
+        if isinstance(backbone, FAMILIES[name].backbone_class())
     )
 
 
@@ -321,57 +392,34 @@ def _embeddings(prefix, embeddings):
     ]
 
 
-def _bert_backbone_map(prefix, backbone):
+def _layer_map(hf_name, layer):
+    """The pairs of a torch Linear or LayerNorm and a Keras Dense or LayerNorm."""
+    return _norm(hf_name, layer) if isinstance(layer, LayerNorm) else _dense(hf_name, layer)
+
+
+def _backbone_map(prefix, backbone, layout):
     pairs = _embeddings(prefix, backbone.embeddings)
+    if backbone.embedding_projection is not None:
+        pairs += _dense(
+            f"{prefix}encoder.embedding_hidden_mapping_in", backbone.embedding_projection
+        )
     for index, block in enumerate(backbone.blocks):
-        layer = f"{prefix}encoder.layer.{index}"
-        pairs += [
-            *_dense(f"{layer}.attention.self.query", block.attention.query),
-            *_dense(f"{layer}.attention.self.key", block.attention.key),
-            *_dense(f"{layer}.attention.self.value", block.attention.value),
-            *_dense(f"{layer}.attention.output.dense", block.attention.output_projection),
-            *_norm(f"{layer}.attention.output.LayerNorm", block.attention_norm),
-            *_dense(f"{layer}.intermediate.dense", block.feedforward_intermediate),
-            *_dense(f"{layer}.output.dense", block.feedforward_output),
-            *_norm(f"{layer}.output.LayerNorm", block.feedforward_norm),
-        ]
-    return pairs + _dense(f"{prefix}pooler.dense", backbone.pooler)
+        hf_block = prefix + layout.block.format(index=index)
+        for part, hf_name in zip(_BLOCK_PARTS, layout.block_parts):
+            layer = functools.reduce(getattr, part.split("."), block)
+            pairs += _layer_map(f"{hf_block}.{hf_name}", layer)
+    return pairs + _dense(f"{prefix}{layout.pooler}", backbone.pooler)
 
 
-def _albert_backbone_map(prefix, backbone):
-    pairs = _embeddings(prefix, backbone.embeddings)
-    pairs += _dense(f"{prefix}encoder.embedding_hidden_mapping_in", backbone.embedding_projection)
-    for group, block in enumerate(backbone.blocks):
-        layer = f"{prefix}encoder.albert_layer_groups.{group}.albert_layers.0"
-        pairs += [
-            *_dense(f"{layer}.attention.query", block.attention.query),
-            *_dense(f"{layer}.attention.key", block.attention.key),
-            *_dense(f"{layer}.attention.value", block.attention.value),
-            *_dense(f"{layer}.attention.dense", block.attention.output_projection),
-            *_norm(f"{layer}.attention.LayerNorm", block.attention_norm),
-            *_dense(f"{layer}.ffn", block.feedforward_intermediate),
-            *_dense(f"{layer}.ffn_output", block.feedforward_output),
-            *_norm(f"{layer}.full_layer_layer_norm", block.feedforward_norm),
-        ]
-    return pairs + _dense(f"{prefix}pooler", backbone.pooler)
-
-
-def _head_map(model):
-    if isinstance(model, Bert):
+def _head_map(model, layout):
+    if isinstance(model, EncoderPretrainingModel):
         head = model.masked_lm_head
+        transform = f"{layout.masked_lm}.{layout.masked_lm_transform}"
         return [
-            *_dense("cls.predictions.transform.dense", head.transform),
-            *_norm("cls.predictions.transform.LayerNorm", head.transform_norm),
-            ("cls.predictions.bias", head.output_bias, False),
-            *_dense("cls.seq_relationship", model.next_sentence_head.classifier),
-        ]
-    if isinstance(model, Albert):
-        head = model.masked_lm_head
-        return [
-            *_dense("predictions.dense", head.transform),
-            *_norm("predictions.LayerNorm", head.transform_norm),
-            ("predictions.bias", head.output_bias, False),
-            *_dense("sop_classifier.classifier", model.sentence_order_head.classifier),
+            *_dense(f"{transform}dense", head.transform),
+            *_norm(f"{transform}LayerNorm", head.transform_norm),
+            (f"{layout.masked_lm}.bias", head.output_bias, False),
+            *_dense(layout.pair_classifier, getattr(model, model.pair_head_name).classifier),
         ]
     if isinstance(model, SequenceClassifier):
         return _dense("classifier", model.classification_head.classifier)
@@ -390,9 +438,8 @@ _REDUNDANT_SUFFIXES = ("position_ids", "predictions.decoder.bias")
 
 def _assign(model, hf_config, tensors, directory):
     """Copies `tensors` into `model`, checking that every shape matches."""
-    backbone = _backbone_of(model)
-    is_bert = isinstance(backbone, BertBackbone)
-    family = "bert" if is_bert else "albert"
+    family = _family_of(model)
+    layout = _LAYOUTS[family]
     if f"{family}.embeddings.word_embeddings.weight" in tensors:
         prefix = f"{family}."
     elif "embeddings.word_embeddings.weight" in tensors:
@@ -404,17 +451,16 @@ def _assign(model, hf_config, tensors, directory):
             "embeddings.word_embeddings.weight); not a transformers "
             f"{family} checkpoint"
         )
-    backbone_map = _bert_backbone_map if is_bert else _albert_backbone_map
-    pairs = backbone_map(prefix, backbone) + _head_map(model)
+    pairs = _backbone_map(prefix, _backbone_of(model), layout) + _head_map(model, layout)
 
-    if isinstance(model, (Bert, Albert)):
+    if isinstance(model, EncoderPretrainingModel):
         if hf_config.get("tie_word_embeddings", True) is False:
             raise ValueError(
                 f"{directory}: the masked-LM decoder is not tied to the word "
                 "embeddings (tie_word_embeddings=False); tfgpt's MaskedLMHead "
                 "always ties them. Load with head=None for the backbone alone."
             )
-        decoder = "cls.predictions.decoder.weight" if is_bert else "predictions.decoder.weight"
+        decoder = f"{layout.masked_lm}.decoder.weight"
         if decoder in tensors and not np.array_equal(
             tensors[decoder], tensors[f"{prefix}embeddings.word_embeddings.weight"]
         ):
@@ -430,7 +476,7 @@ def _assign(model, hf_config, tensors, directory):
     missing = [name for name, _, _ in pairs if name not in tensors]
     if missing:
         hint = ""
-        if isinstance(model, (Bert, Albert, SequenceClassifier, SpanQuestionAnswerer)):
+        if not isinstance(model, EncoderBackbone):
             hint = (
                 " The checkpoint may lack this task's head: load_hf_encoder(..., "
                 "head=None) builds the backbone alone."
@@ -461,7 +507,7 @@ def _assign(model, hf_config, tensors, directory):
         and not name.endswith(_REDUNDANT_SUFFIXES)
         and not name.endswith("predictions.decoder.weight")
     )
-    if unused and isinstance(model, (Bert, Albert, SequenceClassifier, SpanQuestionAnswerer)):
+    if unused and not isinstance(model, EncoderBackbone):
         warnings.warn(
             f"{directory}: {len(unused)} tensor(s) not used by the "
             f"{type(model).__name__}: {', '.join(unused[:5])}",

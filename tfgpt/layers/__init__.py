@@ -2,7 +2,6 @@
 
 from tfgpt.layers.causal_self_attention import CausalSelfAttention
 from tfgpt.layers.classification_head import ClassificationHead
-from tfgpt.layers.encoder_block import EncoderBlock
 from tfgpt.layers.encoder_embedding import EncoderEmbedding
 from tfgpt.layers.layer_norm import LayerNorm
 from tfgpt.layers.masked_lm_head import MaskedLMHead
@@ -16,7 +15,6 @@ __all__ = [
     "TokenAndPositionEmbedding",
     "TransformerBlock",
     "ClassificationHead",
-    "EncoderBlock",
     "EncoderEmbedding",
     "LayerNorm",
     "MaskedLMHead",

@@ -10,6 +10,7 @@ from tfgpt.kernels.causal_attention_kernel import (
     causal_attention_available,
 )
 from tfgpt.kernels.causal_softmax_kernel import causal_softmax
+from tfgpt.layers.self_attention_base import MASKED_SCORE, SelfAttentionBase
 
 try:  # Private, long-stable TF API; without it every write takes the XLA op.
     from tensorflow.python.framework.ops import get_default_graph
@@ -41,7 +42,7 @@ def write_slice(tensor, start, update):
 
 
 @keras.saving.register_keras_serializable(package="tfgpt")
-class CausalSelfAttention(keras.layers.Layer):
+class CausalSelfAttention(SelfAttentionBase):
     """Causal multi-head self-attention (Vaswani et al. 2017, GPT-2 layout).
 
     One dense layer projects the input to queries, keys and values for all
@@ -72,32 +73,10 @@ class CausalSelfAttention(keras.layers.Layer):
     """
 
     def __init__(self, hidden_dim, num_heads, dropout=0.0, **kwargs):
-        super().__init__(**kwargs)
-        if hidden_dim % num_heads:
-            raise ValueError(
-                "`hidden_dim` must be divisible by `num_heads`. "
-                f"Received: hidden_dim={hidden_dim}, num_heads={num_heads}"
-            )
-        self.hidden_dim = hidden_dim
-        self.num_heads = num_heads
-        self.head_dim = hidden_dim // num_heads
-        self.dropout = dropout
+        super().__init__(hidden_dim, num_heads, dropout=dropout, **kwargs)
         initializer = keras.initializers.RandomNormal(stddev=0.02)
-        self.query_key_value = keras.layers.Dense(
-            3 * hidden_dim,
-            kernel_initializer=initializer,
-            dtype=self.dtype_policy,
-            name="query_key_value",
-        )
-        self.output_projection = keras.layers.Dense(
-            hidden_dim,
-            kernel_initializer=initializer,
-            dtype=self.dtype_policy,
-            name="output_projection",
-        )
-        self.attention_dropout = keras.layers.Dropout(
-            dropout, dtype=self.dtype_policy, name="attention_dropout"
-        )
+        self.query_key_value = self._dense(3 * hidden_dim, "query_key_value", initializer)
+        self._add_output_layers(initializer)
 
     def build(self, input_shape):
         self.query_key_value.build(input_shape)
@@ -182,40 +161,22 @@ class CausalSelfAttention(keras.layers.Layer):
         # path. Nothing changes: Keras casts a layer's float32 input to its
         # compute dtype, so under mixed precision dropout already acted on
         # the rounded probabilities (same random draws, shape and dtype).
-        weights = self.attention_dropout(weights, training=training)
-        weights = tf.cast(weights, self.compute_dtype)
-
-        attended = tf.matmul(weights, value)  # (B, H, T, D)
-        attended = tf.transpose(attended, [0, 2, 1, 3])  # (B, T, H, D)
-        attended = tf.reshape(attended, [batch_size, length, self.hidden_dim])  # (B, T, C)
-        outputs = self.output_projection(attended)  # (B, T, C)
+        outputs = self._attend(weights, value, batch_size, length, training)  # (B, T, C)
         if cache is not None:
             return outputs, cache
         return outputs
 
     def _mask_bias(self, inputs, key, padding_mask, cache_index):
         """Additive float32 mask (1, 1, T, S) or (B, 1, T, S): 0 where a
-        query may attend, -1e9 elsewhere.
+        query may attend, `MASKED_SCORE` elsewhere.
 
-        A large finite negative rather than -inf: a fully masked row (a
-        left-padding query) then yields a uniform, finite distribution
-        instead of NaN. An add costs nothing in the backward pass, where a
-        select costs a second select.
+        An add costs nothing in the backward pass, where a select costs a
+        second select.
         """
         query_positions = tf.range(tf.shape(inputs)[1]) + cache_index  # (T,)
         key_positions = tf.range(tf.shape(key)[2])  # (S,)
         allowed = key_positions[tf.newaxis, :] <= query_positions[:, tf.newaxis]  # (T, S)
         allowed = allowed[tf.newaxis, tf.newaxis]  # (1, 1, T, S)
         if padding_mask is not None:
-            keys_real = tf.cast(padding_mask, "bool")[:, tf.newaxis, tf.newaxis, :]
-            allowed = tf.logical_and(allowed, keys_real)  # (B, 1, T, S)
-        return tf.where(allowed, 0.0, -1e9)  # (B or 1, 1, T, S)
-
-    def get_config(self):
-        config = super().get_config()
-        config.update(
-            hidden_dim=self.hidden_dim,
-            num_heads=self.num_heads,
-            dropout=self.dropout,
-        )
-        return config
+            allowed = tf.logical_and(allowed, self._keys_real(padding_mask))  # (B, 1, T, S)
+        return tf.where(allowed, 0.0, MASKED_SCORE)  # (B or 1, 1, T, S)

@@ -5,7 +5,6 @@ import tensorflow as tf
 
 from tfgpt.layers.activated_dense import ActivatedDense
 from tfgpt.layers.layer_norm import LayerNorm
-from tfgpt.layers.transformer_block import _ACTIVATIONS  # One table of activation names.
 
 
 @keras.saving.register_keras_serializable(package="tfgpt")
@@ -22,7 +21,8 @@ class MaskedLMHead(keras.layers.Layer):
     Args:
         vocabulary_size: int. Number of token ids (rows of the embedding).
         embedding_dim: int. Width of the token embedding.
-        activation: str. `"gelu"`, `"gelu_tanh"` or `"relu"`.
+        activation: str. `"gelu"`, `"gelu_tanh"` or `"relu"` (checked by
+            `ActivatedDense`).
         layer_norm_epsilon: float. Epsilon of the layer norm.
 
     Example:
@@ -41,11 +41,6 @@ class MaskedLMHead(keras.layers.Layer):
         **kwargs,
     ):
         super().__init__(**kwargs)
-        if activation not in _ACTIVATIONS:
-            raise ValueError(
-                f"`activation` must be one of {tuple(_ACTIVATIONS)}. "
-                f"Received: activation={activation!r}"
-            )
         self.vocabulary_size = vocabulary_size
         self.embedding_dim = embedding_dim
         self.activation = activation

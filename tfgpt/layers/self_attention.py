@@ -5,9 +5,11 @@ import math
 import keras
 import tensorflow as tf
 
+from tfgpt.layers.self_attention_base import MASKED_SCORE, SelfAttentionBase
+
 
 @keras.saving.register_keras_serializable(package="tfgpt")
-class SelfAttention(keras.layers.Layer):
+class SelfAttention(SelfAttentionBase):
     """Bidirectional multi-head self-attention (Vaswani et al. 2017).
 
     Every position attends to every real (non-padding) position. Queries,
@@ -28,33 +30,11 @@ class SelfAttention(keras.layers.Layer):
     """
 
     def __init__(self, hidden_dim, num_heads, dropout=0.0, **kwargs):
-        super().__init__(**kwargs)
-        if hidden_dim % num_heads:
-            raise ValueError(
-                "`hidden_dim` must be divisible by `num_heads`. "
-                f"Received: hidden_dim={hidden_dim}, num_heads={num_heads}"
-            )
-        self.hidden_dim = hidden_dim
-        self.num_heads = num_heads
-        self.head_dim = hidden_dim // num_heads
-        self.dropout = dropout
-        policy = self.dtype_policy
-
-        def dense(name):
-            return keras.layers.Dense(
-                hidden_dim,
-                kernel_initializer=keras.initializers.RandomNormal(stddev=0.02),
-                dtype=policy,
-                name=name,
-            )
-
-        self.query = dense("query")
-        self.key = dense("key")
-        self.value = dense("value")
-        self.output_projection = dense("output_projection")
-        self.attention_dropout = keras.layers.Dropout(
-            dropout, dtype=policy, name="attention_dropout"
-        )
+        super().__init__(hidden_dim, num_heads, dropout=dropout, **kwargs)
+        self.query = self._dense(hidden_dim, "query")
+        self.key = self._dense(hidden_dim, "key")
+        self.value = self._dense(hidden_dim, "value")
+        self._add_output_layers()
 
     def build(self, input_shape):
         for layer in (self.query, self.key, self.value, self.output_projection):
@@ -87,24 +67,6 @@ class SelfAttention(keras.layers.Layer):
         scores = tf.matmul(query, key, transpose_b=True)  # (B, H, T, T)
         scores = tf.cast(scores, "float32") * (1.0 / math.sqrt(self.head_dim))
         if padding_mask is not None:
-            keys_real = tf.cast(padding_mask, "bool")[:, tf.newaxis, tf.newaxis, :]  # (B, 1, 1, T)
-            # A large finite negative rather than -inf, so that an all-padding
-            # row gives a uniform distribution instead of NaN.
-            scores = tf.where(keys_real, scores, -1e9)
+            scores = tf.where(self._keys_real(padding_mask), scores, MASKED_SCORE)
         weights = tf.nn.softmax(scores, axis=-1)  # (B, H, T, T)
-        weights = self.attention_dropout(weights, training=training)
-        weights = tf.cast(weights, self.compute_dtype)
-
-        attended = tf.matmul(weights, value)  # (B, H, T, D)
-        attended = tf.transpose(attended, [0, 2, 1, 3])  # (B, T, H, D)
-        attended = tf.reshape(attended, [batch_size, length, self.hidden_dim])  # (B, T, C)
-        return self.output_projection(attended)  # (B, T, C)
-
-    def get_config(self):
-        config = super().get_config()
-        config.update(
-            hidden_dim=self.hidden_dim,
-            num_heads=self.num_heads,
-            dropout=self.dropout,
-        )
-        return config
+        return self._attend(weights, value, batch_size, length, training)  # (B, T, C)

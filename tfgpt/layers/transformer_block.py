@@ -1,31 +1,42 @@
-"""One decoder block: causal self-attention and a feed-forward network."""
+"""One transformer block: self-attention and a feed-forward network."""
 
 import keras
 import tensorflow as tf
 
-from tfgpt.layers.activated_dense import ACTIVATIONS, ActivatedDense
+from tfgpt.config.checks import require_one_of
+from tfgpt.layers.activated_dense import ActivatedDense
 from tfgpt.layers.causal_self_attention import CausalSelfAttention
 from tfgpt.layers.layer_norm import LayerNorm
+from tfgpt.layers.self_attention import SelfAttention
 
-# Activation names; ActivatedDense fuses the bias add and GELU on CPU.
-_ACTIVATIONS = ACTIVATIONS
+# The block's attention, by the name its `attention` argument takes.
+ATTENTION_LAYERS = {"causal": CausalSelfAttention, "bidirectional": SelfAttention}
 
 
 @keras.saving.register_keras_serializable(package="tfgpt")
 class TransformerBlock(keras.layers.Layer):
-    """A transformer decoder block with residual connections.
+    """A transformer block with residual connections (Vaswani et al. 2017).
 
-    Pre-layer-norm (`norm_first=True`, GPT-2):
+    Pre-layer-norm (`norm_first=True`: GPT-2; Xiong et al. 2020):
         x = x + dropout(attention(norm1(x)))
         x = x + dropout(feedforward(norm2(x)))
-    Post-layer-norm (`norm_first=False`, Vaswani et al. 2017):
+    Post-layer-norm (`norm_first=False`: the original Transformer, BERT,
+    ALBERT):
         x = norm1(x + dropout(attention(x)))
         x = norm2(x + dropout(feedforward(x)))
+
+    The attention is what makes it a decoder or an encoder block, and all
+    that differs: `"causal"` is `CausalSelfAttention` (GPT: one fused
+    query/key/value projection, a key/value cache for decoding),
+    `"bidirectional"` is `SelfAttention` (BERT and ALBERT: separate
+    query, key and value projections). Model Garden's ALBERT likewise
+    builds on BERT's block instead of a copy.
 
     Args:
         hidden_dim: int. Width of the residual stream.
         num_heads: int. Attention heads; must divide `hidden_dim`.
         intermediate_dim: int. Width of the feed-forward hidden layer.
+        attention: str. `"causal"` or `"bidirectional"`.
         dropout: float. Rate for attention probabilities and both residual
             branches.
         activation: str. `"gelu"`, `"gelu_tanh"` or `"relu"`.
@@ -45,6 +56,9 @@ class TransformerBlock(keras.layers.Layer):
     >>> block = TransformerBlock(hidden_dim=8, num_heads=2, intermediate_dim=32)
     >>> block(keras.ops.zeros((1, 3, 8))).shape
     TensorShape([1, 3, 8])
+    >>> encoder_block = TransformerBlock(8, 2, 32, attention="bidirectional")
+    >>> encoder_block(keras.ops.zeros((1, 3, 8)), padding_mask=[[1, 1, 0]]).shape
+    TensorShape([1, 3, 8])
     """
 
     # Training-time option, see the class docstring.
@@ -55,6 +69,7 @@ class TransformerBlock(keras.layers.Layer):
         hidden_dim,
         num_heads,
         intermediate_dim,
+        attention="causal",
         dropout=0.0,
         activation="gelu_tanh",
         norm_first=True,
@@ -62,14 +77,11 @@ class TransformerBlock(keras.layers.Layer):
         **kwargs,
     ):
         super().__init__(**kwargs)
-        if activation not in _ACTIVATIONS:
-            raise ValueError(
-                f"`activation` must be one of {tuple(_ACTIVATIONS)}. "
-                f"Received: activation={activation!r}"
-            )
+        require_one_of("attention", attention, ATTENTION_LAYERS)
         self.hidden_dim = hidden_dim
         self.num_heads = num_heads
         self.intermediate_dim = intermediate_dim
+        self.attention_kind = attention
         self.dropout = dropout
         self.activation = activation
         self.norm_first = norm_first
@@ -79,7 +91,7 @@ class TransformerBlock(keras.layers.Layer):
         self.attention_norm = LayerNorm(
             epsilon=layer_norm_epsilon, dtype=policy, name="attention_norm"
         )
-        self.attention = CausalSelfAttention(
+        self.attention = ATTENTION_LAYERS[attention](
             hidden_dim, num_heads, dropout=dropout, dtype=policy, name="attention"
         )
         self.attention_dropout = keras.layers.Dropout(
@@ -121,9 +133,10 @@ class TransformerBlock(keras.layers.Layer):
     def call(self, inputs, padding_mask=None, cache=None, cache_index=0, training=None):
         """Applies the block to `inputs` (B, T, C).
 
-        `padding_mask`, `cache` and `cache_index` are passed to
-        `CausalSelfAttention`; with a cache the updated cache is returned as
-        a second output.
+        `padding_mask` (B, S) marks the real key positions; `cache` and
+        `cache_index` (causal attention only) are those of
+        `CausalSelfAttention`, and with a cache the updated cache is
+        returned as a second output.
         """
         if self.recompute and training and cache is None:
             return self._recomputed(inputs, padding_mask, training)
@@ -132,34 +145,48 @@ class TransformerBlock(keras.layers.Layer):
     def _recomputed(self, inputs, padding_mask, training):
         # Dropout draws each mask from its SeedGenerator's state and advances
         # it. The recomputation in the backward pass rewinds the states to
-        # their values before the forward pass, so it replays the same masks
-        # and leaves the states where the forward pass left them.
+        # their values before the forward pass, so it replays the same masks,
+        # and then puts back the states it found, so they end where the
+        # forward pass left them. (Put back rather than left as the
+        # recomputation leaves them: a block applied at several layers, as
+        # ALBERT shares its blocks, is recomputed from the last layer to
+        # the first, and the first layer's forward pass did not end last.)
         states = [
             variable.value
             for variable in self.variables
             if "seed_generator_state" in variable.path
         ] if self.dropout > 0 else []
         saved = [tf.identity(state) for state in states]
+        forward_done = []
 
         def block(x):
+            found = [tf.identity(state) for state in states] if forward_done else []
+            forward_done.append(True)
             for state, value in zip(states, saved):
                 state.assign(value)
-            return self._apply(x, padding_mask, None, 0, training)
+            outputs = self._apply(x, padding_mask, None, 0, training)
+            with tf.control_dependencies([outputs]):
+                for state, value in zip(states, found):
+                    state.assign(value)
+            return outputs
 
         return tf.recompute_grad(block)(inputs)
 
     def _apply(self, inputs, padding_mask, cache, cache_index, training):
         x = inputs
         attention_input = self.attention_norm(x) if self.norm_first else x
-        attended = self.attention(
-            attention_input,
-            padding_mask=padding_mask,
-            cache=cache,
-            cache_index=cache_index,
-            training=training,
-        )
-        if cache is not None:
-            attended, cache = attended
+        if cache is None:
+            attended = self.attention(
+                attention_input, padding_mask=padding_mask, training=training
+            )
+        else:
+            attended, cache = self.attention(
+                attention_input,
+                padding_mask=padding_mask,
+                cache=cache,
+                cache_index=cache_index,
+                training=training,
+            )
         x = x + self.attention_dropout(attended, training=training)
         if self.norm_first:
             x = x + self._feedforward(self.feedforward_norm(x), training)
@@ -176,6 +203,7 @@ class TransformerBlock(keras.layers.Layer):
             hidden_dim=self.hidden_dim,
             num_heads=self.num_heads,
             intermediate_dim=self.intermediate_dim,
+            attention=self.attention_kind,
             dropout=self.dropout,
             activation=self.activation,
             norm_first=self.norm_first,

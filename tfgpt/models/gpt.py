@@ -1,20 +1,17 @@
 """GPT: a decoder-only transformer language model."""
 
-import dataclasses
-
 import keras
 import tensorflow as tf
 
 from tfgpt import decoding
-from tfgpt.config import GPTConfig, validate_gpt_config
-from tfgpt.layers.layer_norm import LayerNorm
+from tfgpt.config import GPTConfig
 from tfgpt.layers.token_and_position_embedding import TokenAndPositionEmbedding
-from tfgpt.layers.transformer_block import TransformerBlock
-from tfgpt.models.tracked_blocks import TrackedBlocks
+from tfgpt.models.block_stack import BlockStack
+from tfgpt.models.configured_model import ConfiguredModel
 
 
 @keras.saving.register_keras_serializable(package="tfgpt")
-class GPT(TrackedBlocks, keras.Model):
+class GPT(BlockStack, ConfiguredModel):
     """Decoder-only transformer language model (Radford et al. 2018, 2019).
 
     Token and position embeddings, `num_layers` causal transformer blocks, a
@@ -24,17 +21,8 @@ class GPT(TrackedBlocks, keras.Model):
     softmax run in float32 under mixed precision.
 
     Args:
-        vocabulary_size: int. Number of token ids.
-        num_layers: int. Number of transformer blocks.
-        num_heads: int. Attention heads; must divide `hidden_dim`.
-        hidden_dim: int. Width of the residual stream.
-        intermediate_dim: int. Width of the feed-forward hidden layer.
-        max_sequence_length: int. Longest context (rows of the position table).
-        dropout: float. Dropout rate, in [0, 1).
-        activation: str. `"gelu"`, `"gelu_tanh"` (GPT-2) or `"relu"`.
-        norm_first: bool. Pre-LN (GPT-2) when True, post-LN when False.
-        tie_embeddings: bool. Output projection shares the token embedding.
-        layer_norm_epsilon: float. Epsilon of every layer norm.
+        The fields of `tfgpt.config.GPTConfig`, as keyword arguments, and
+        Keras's (`name`, `dtype`, ...). Each field is also an attribute.
 
     Example:
     >>> model = GPT.from_preset("gpt-demo", num_layers=2)
@@ -43,83 +31,25 @@ class GPT(TrackedBlocks, keras.Model):
     TensorShape([1, 3, 2000])
     """
 
-    def __init__(
-        self,
-        vocabulary_size,
-        num_layers,
-        num_heads,
-        hidden_dim,
-        intermediate_dim,
-        max_sequence_length,
-        dropout=0.0,
-        activation="gelu_tanh",
-        norm_first=True,
-        tie_embeddings=True,
-        layer_norm_epsilon=1e-5,
-        **kwargs,
-    ):
-        super().__init__(**kwargs)
-        validate_gpt_config(
-            vocabulary_size=vocabulary_size,
-            num_layers=num_layers,
-            num_heads=num_heads,
-            hidden_dim=hidden_dim,
-            intermediate_dim=intermediate_dim,
-            max_sequence_length=max_sequence_length,
-            dropout=dropout,
-            activation=activation,
-            norm_first=norm_first,
-            tie_embeddings=tie_embeddings,
-            layer_norm_epsilon=layer_norm_epsilon,
-        )
-        self.vocabulary_size = vocabulary_size
-        self.num_layers = num_layers
-        self.num_heads = num_heads
-        self.hidden_dim = hidden_dim
-        self.intermediate_dim = intermediate_dim
-        self.max_sequence_length = max_sequence_length
-        self.dropout = dropout
-        self.activation = activation
-        self.norm_first = norm_first
-        self.tie_embeddings = tie_embeddings
-        self.layer_norm_epsilon = layer_norm_epsilon
+    config_class = GPTConfig
 
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
         policy = self.dtype_policy
         self.embeddings = TokenAndPositionEmbedding(
-            vocabulary_size,
-            max_sequence_length,
-            hidden_dim,
-            dropout=dropout,
+            self.vocabulary_size,
+            self.max_sequence_length,
+            self.hidden_dim,
+            dropout=self.dropout,
             dtype=policy,
             name="embeddings",
         )
-        self.blocks = [
-            TransformerBlock(
-                hidden_dim,
-                num_heads,
-                intermediate_dim,
-                dropout=dropout,
-                activation=activation,
-                norm_first=norm_first,
-                layer_norm_epsilon=layer_norm_epsilon,
-                dtype=policy,
-                name=f"block_{index}",
-            )
-            for index in range(num_layers)
-        ]
-        # Post-LN blocks already end in a norm; pre-LN needs one after the last.
-        self.final_norm = (
-            LayerNorm(
-                epsilon=layer_norm_epsilon, dtype=policy, name="final_norm"
-            )
-            if norm_first
-            else None
-        )
+        self._add_blocks(self.num_layers, attention="causal")
         self.lm_head = (
             None
-            if tie_embeddings
+            if self.tie_embeddings
             else keras.layers.Dense(
-                vocabulary_size,
+                self.vocabulary_size,
                 use_bias=False,
                 kernel_initializer=keras.initializers.RandomNormal(stddev=0.02),
                 dtype=policy,
@@ -128,18 +58,10 @@ class GPT(TrackedBlocks, keras.Model):
         )
         self.build((None, None))
 
-    @classmethod
-    def from_preset(cls, name, **overrides):
-        """Builds the named preset (see `tfgpt.config.GPT_PRESETS`)."""
-        return cls(**dataclasses.asdict(GPTConfig.from_preset(name, **overrides)))
-
     def build(self, input_shape):
         hidden_shape = tuple(input_shape) + (self.hidden_dim,)
         self.embeddings.build(input_shape)
-        for block in self.blocks:
-            block.build(hidden_shape)
-        if self.final_norm is not None:
-            self.final_norm.build(hidden_shape)
+        self._build_blocks(hidden_shape)
         if self.lm_head is not None:
             self.lm_head.build(hidden_shape)
         self.built = True
@@ -269,20 +191,3 @@ class GPT(TrackedBlocks, keras.Model):
         head_dim = self.hidden_dim // self.num_heads
         shape = [batch_size, self.num_layers, 2, self.num_heads, cache_length, head_dim]
         return tf.zeros(shape, dtype=self.compute_dtype)
-
-    def get_config(self):
-        config = super().get_config()
-        config.update(
-            vocabulary_size=self.vocabulary_size,
-            num_layers=self.num_layers,
-            num_heads=self.num_heads,
-            hidden_dim=self.hidden_dim,
-            intermediate_dim=self.intermediate_dim,
-            max_sequence_length=self.max_sequence_length,
-            dropout=self.dropout,
-            activation=self.activation,
-            norm_first=self.norm_first,
-            tie_embeddings=self.tie_embeddings,
-            layer_norm_epsilon=self.layer_norm_epsilon,
-        )
-        return config

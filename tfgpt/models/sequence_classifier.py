@@ -3,16 +3,13 @@
 import keras
 
 from tfgpt.layers.classification_head import ClassificationHead
-from tfgpt.models.albert import AlbertBackbone
-from tfgpt.models.bert import BertBackbone
+from tfgpt.models.encoder_backbone import EncoderBackbone
 from tfgpt.models.encoder_inputs import pack_encoder_inputs, unpack_encoder_inputs
-
-ENCODER_BACKBONES = (BertBackbone, AlbertBackbone)
 
 
 def check_encoder_backbone(backbone):
     """Raises ValueError unless `backbone` is a BERT or ALBERT backbone."""
-    if not isinstance(backbone, ENCODER_BACKBONES):
+    if not isinstance(backbone, EncoderBackbone):
         raise ValueError(
             "`backbone` must be a BertBackbone or an AlbertBackbone (for a "
             "pretrained `Bert`/`Albert`, pass its `.backbone`). "

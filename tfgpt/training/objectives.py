@@ -48,6 +48,10 @@ class CausalLanguageModelling:
         return np.bincount(targets.numpy().ravel(), minlength=vocabulary_size)
 
 
+# The label of each sentence-pair task in the encoder records (pipelines.encoder_data).
+_PAIR_LABELS = {"nsp": "next_sentence_label", "sop": "sentence_order_label"}
+
+
 class MaskedLanguageModelling:
     """Masked-LM (+ next-sentence or sentence-order) pretraining of an encoder.
 
@@ -62,12 +66,10 @@ class MaskedLanguageModelling:
         self.name = name
         self.family = family
         self.pair_task = name.split("+")[1] if "+" in name else None
-        # The data always carries a pair label; plain mlm ignores it.
-        self._data_task = self.pair_task or ("nsp" if family == "bert" else "sop")
-        self._pair_label = {"nsp": "next_sentence_label", "sop": "sentence_order_label"}[
-            self._data_task
-        ]
-        self._pair_logits = {"nsp": "nsp_logits", "sop": "sop_logits"}[self._data_task]
+        # The data always carries a pair label, the family's; plain mlm ignores it.
+        self._data_task = self.pair_task or FAMILIES[family].pair_task
+        self._pair_label = _PAIR_LABELS[self._data_task]
+        self._pair_logits = f"{self._data_task}_logits"  # Bert's nsp_logits, Albert's sop_logits
 
     def dataset(self, data_dir, split, batch_size, **options):
         return encoder_data.make_encoder_dataset(
