@@ -12,17 +12,14 @@ installed TensorFlow by `python -m tfgpt.kernels.build` (`make setup` runs
 it).
 
 Each public function (`gelu`, ...) takes the fused op when it can and
-otherwise builds the same computation from TensorFlow ops:
-
-- the library is built and current (else: a one-time warning, then the
-  composite ops);
-- the call is not being compiled by XLA (`--xla`, `jit_compile=True`: XLA
-  fuses the composite ops itself and cannot run a custom op);
-- no GPU is visible (the kernels are CPU-only);
-- fused kernels are not turned off: environment `TFGPT_FUSED_KERNELS=0`,
-  or `with tfgpt.kernels.disabled():` around the code that traces the
-  model (a SavedModel export does this, so the exported graph holds only
-  standard ops and loads without tfgpt).
+otherwise builds the same computation from TensorFlow ops. When it can is
+decided in one place, `tfgpt.kernels.dispatch`: turned off
+(`TFGPT_FUSED_KERNELS=0`, `with tfgpt.kernels.disabled():`), a GPU
+visible, XLA compiling the call, the library missing, stale or built for
+instructions this CPU lacks (a one-time warning), and each kernel's own
+rules (dtypes, attention dropout, a padding mask or cache, a
+`tf.distribute` strategy). `summary(dtype, xla, dropout, ...)` names the
+kernels a training run uses, and why the others are not, in one line.
 
 Example:
 >>> import tensorflow as tf
@@ -52,7 +49,6 @@ _lock = threading.Lock()
 _library = None
 _load_error = None
 _loaded = False
-_has_gpu = None
 
 
 def in_xla_context():
@@ -62,7 +58,8 @@ def in_xla_context():
     return bool(_in_xla_graph(_default_graph()))
 
 
-def _env_enabled():
+def env_enabled():
+    """False when the environment turns the kernels off (`TFGPT_FUSED_KERNELS=0`)."""
     return os.environ.get("TFGPT_FUSED_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
@@ -122,14 +119,15 @@ def disabled():
         _state.disabled = previous
 
 
+def is_disabled_here():
+    """True inside `with disabled():` (in this thread)."""
+    return getattr(_state, "disabled", False)
+
+
 def use_fused():
-    """True when a call made now should take a fused kernel (see module doc)."""
-    global _has_gpu
-    if getattr(_state, "disabled", False) or not _env_enabled() or in_xla_context():
-        return False
-    if _has_gpu is None:
-        _has_gpu = bool(tf.config.list_physical_devices("GPU"))
-    return not _has_gpu and _load() is not None
+    """True when a call made now may take a fused kernel: no rule common to
+    all kernels says no (`dispatch.runtime_reason`)."""
+    return not dispatch.runtime_reason()
 
 
 def build_info():
@@ -140,11 +138,13 @@ def build_info():
     return json.loads(json.dumps(stamp)) if stamp else None
 
 
-# Below use_fused, which they call.
+# Below the functions they call.
+from tfgpt.kernels import dispatch  # noqa: E402
+from tfgpt.kernels.dispatch import summary  # noqa: E402
 from tfgpt.kernels.bias_gelu_kernel import bias_gelu  # noqa: E402
 from tfgpt.kernels.causal_attention_kernel import causal_attention  # noqa: E402
 from tfgpt.kernels.cross_entropy_kernel import sparse_cross_entropy  # noqa: E402
 from tfgpt.kernels.gelu_kernel import gelu  # noqa: E402
 
-__all__ = ["bias_gelu", "causal_attention", "disabled", "gelu", "in_xla_context", "library",
-           "sparse_cross_entropy", "unavailable_reason", "use_fused"]
+__all__ = ["bias_gelu", "causal_attention", "disabled", "dispatch", "gelu", "in_xla_context",
+           "library", "sparse_cross_entropy", "summary", "unavailable_reason", "use_fused"]

@@ -3,6 +3,7 @@
 import tensorflow as tf
 
 import tfgpt.kernels as kernels
+from tfgpt.kernels import dispatch
 
 
 def bias_gelu(x, bias, approximate=True):
@@ -18,7 +19,8 @@ def bias_gelu(x, bias, approximate=True):
     the bias gradient in one pass over `x` (float32 math, deterministic
     block order); the composite path is a bias add and `tf.nn.gelu`.
     """
-    if kernels.use_fused():
+    x = tf.convert_to_tensor(x)
+    if dispatch.runs("bias_gelu", x.dtype):
         return kernels.library().tfgpt_bias_gelu(x, bias, approximate=approximate)
     return tf.nn.gelu(tf.nn.bias_add(x, bias) if x.shape.rank == 2 else x + bias,
                       approximate=approximate)

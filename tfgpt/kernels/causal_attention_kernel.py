@@ -4,6 +4,7 @@
 import tensorflow as tf
 
 import tfgpt.kernels as kernels
+from tfgpt.kernels import dispatch
 
 # Query rows per block: block i meets keys [0, (i + 1) * BLOCK_SIZE) only,
 # so for T = 256 the matmuls do 10/16 of the full work. 32-64 were the
@@ -13,14 +14,23 @@ import tfgpt.kernels as kernels
 BLOCK_SIZE = 64
 
 
-def causal_attention_available(dtype):
+def causal_attention_available(dtype, dropout=0.0, padding_mask=None, cache=None):
     """True when `causal_attention` can run now for a projection of `dtype`.
 
-    Float32 only: in bfloat16 and float16 oneDNN's AMX / AVX-512 matmuls
-    outrun the kernel's float32 (Eigen) matmuls, so the attention layer
-    keeps TensorFlow's ops there.
+    Args:
+        dtype: the projection's dtype. Float32 only: in bfloat16 and
+            float16 oneDNN's AMX / AVX-512 matmuls outrun the kernel's
+            float32 (Eigen) matmuls, so the attention layer keeps
+            TensorFlow's ops there.
+        dropout: float. The attention dropout in effect (0 outside training).
+        padding_mask, cache: the attention layer's, or None.
+
+    The rules are `tfgpt.kernels.dispatch`'s ("attention").
     """
-    return tf.as_dtype(dtype) == tf.float32 and kernels.use_fused()
+    return dispatch.runs(
+        "attention", dtype, dropout=dropout,
+        masked=padding_mask is not None or cache is not None,
+    )
 
 
 def causal_attention(qkv, num_heads):
@@ -48,13 +58,8 @@ def causal_attention(qkv, num_heads):
     TensorShape([1, 3, 4])
     """
     qkv = tf.convert_to_tensor(qkv)
-    if not causal_attention_available(qkv.dtype):
-        if qkv.dtype != tf.float32:
-            reason = f"dtype {qkv.dtype.name}: the kernel is float32 only"
-        elif kernels.library() is None:
-            reason = kernels.unavailable_reason()
-        else:
-            reason = "fused kernels are off here (XLA, a GPU, or turned off)"
+    reason = dispatch.reason("attention", qkv.dtype)
+    if reason:
         raise RuntimeError(f"the fused causal attention kernel cannot run: {reason}")
     output, _ = kernels.library().tfgpt_causal_attention(
         qkv, num_heads=num_heads, block_size=BLOCK_SIZE

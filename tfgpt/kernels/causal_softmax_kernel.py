@@ -5,6 +5,7 @@ import numpy as np
 import tensorflow as tf
 
 import tfgpt.kernels as kernels
+from tfgpt.kernels import dispatch
 
 # Added to the float32 scores of masked positions on the composite path: a
 # large finite negative, whose exponential is exactly 0 next to any visible
@@ -65,7 +66,7 @@ def causal_softmax(scores):
             "`scores` (..., T, S) must have S >= T. "
             f"Received: scores.shape={tuple(scores.shape)}"
         )
-    if kernels.use_fused():
+    if dispatch.runs("softmax", scores.dtype):
         return kernels.library().tfgpt_causal_softmax(scores)
     if query_length is None or key_length is None:
         dynamic = tf.shape(scores)

@@ -4,6 +4,7 @@ kernel, or TensorFlow's own op."""
 import tensorflow as tf
 
 import tfgpt.kernels as kernels
+from tfgpt.kernels import dispatch
 
 
 def _uncast(logits):
@@ -41,7 +42,8 @@ def sparse_cross_entropy(labels, logits):
     composite path is `tf.nn.sparse_softmax_cross_entropy_with_logits` on
     float32 logits.
     """
-    if not kernels.use_fused():
+    logits = tf.convert_to_tensor(logits)
+    if not dispatch.runs("cross_entropy", logits.dtype):
         return tf.nn.sparse_softmax_cross_entropy_with_logits(
             labels=labels, logits=tf.cast(logits, "float32")
         )

@@ -3,6 +3,7 @@
 import tensorflow as tf
 
 import tfgpt.kernels as kernels
+from tfgpt.kernels import dispatch
 
 
 def gelu(x, approximate=True):
@@ -16,7 +17,8 @@ def gelu(x, approximate=True):
     The fused kernel computes in float32 and rounds once to `x`'s dtype;
     the composite path is `tf.nn.gelu`, as `keras.activations.gelu` runs it.
     """
-    if kernels.use_fused():
+    x = tf.convert_to_tensor(x)
+    if dispatch.runs("gelu", x.dtype):
         return kernels.library().tfgpt_gelu(x, approximate=approximate)
     return tf.nn.gelu(x, approximate=approximate)
 

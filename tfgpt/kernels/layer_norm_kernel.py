@@ -4,9 +4,7 @@ import keras
 import tensorflow as tf
 
 import tfgpt.kernels as kernels
-
-# The storage types the kernel is built for (it computes in float32).
-_FUSED_DTYPES = (tf.float32, tf.bfloat16, tf.float16)
+from tfgpt.kernels import dispatch
 
 
 def layer_norm(x, gamma, beta, epsilon=1e-3):
@@ -31,7 +29,7 @@ def layer_norm(x, gamma, beta, epsilon=1e-3):
     it computed with Keras's layer.
     """
     x = tf.convert_to_tensor(x)
-    if x.dtype in _FUSED_DTYPES and kernels.use_fused():
+    if dispatch.runs("layer_norm", x.dtype):
         y, _, _ = kernels.library().tfgpt_layer_norm(
             x, tf.cast(gamma, tf.float32), tf.cast(beta, tf.float32), epsilon=epsilon
         )

@@ -113,7 +113,7 @@ class FusedAdamW(keras.optimizers.AdamW):
             self._given_norm = previous
 
     def _backend_apply_gradients(self, grads, trainable_variables):
-        self._fused_apply = kernels.use_fused() and not tf.distribute.has_strategy()
+        self._fused_apply = kernels.dispatch.runs("adamw", strategy=tf.distribute.has_strategy())
         try:
             super()._backend_apply_gradients(grads, trainable_variables)
         finally:
