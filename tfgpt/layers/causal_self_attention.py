@@ -110,11 +110,8 @@ class CausalSelfAttention(SelfAttentionBase):
             the form it was given.
         """
         qkv = self.query_key_value(inputs)  # (B, T, 3C)
-        if (
-            cache is None
-            and padding_mask is None
-            and not (training and self.dropout > 0)
-            and causal_attention_available(qkv.dtype)
+        if causal_attention_available(
+            qkv.dtype, self.dropout if training else 0.0, padding_mask, cache
         ):
             # Float32 on CPU: one fused kernel each way reads the heads out
             # of the projection and skips the masked score blocks.
