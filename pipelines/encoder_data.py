@@ -57,6 +57,7 @@ from typing import Optional
 import tensorflow as tf
 
 from pipelines import reader
+from pipelines.manifest import ENCODER_FEATURES, ENCODER_FORMAT
 
 TASKS = ("sop", "nsp")
 DEFAULT_MASK_RATE = 0.15
@@ -143,15 +144,16 @@ def mask_tokens(
 
 
 def _parse_record(serialized):
+    tokens_feature, lengths_feature = ENCODER_FEATURES
     parsed = tf.io.parse_single_example(
         serialized,
         {
-            "token_ids": tf.io.VarLenFeature(tf.int64),
-            "segment_lengths": tf.io.VarLenFeature(tf.int64),
+            tokens_feature: tf.io.VarLenFeature(tf.int64),
+            lengths_feature: tf.io.VarLenFeature(tf.int64),
         },
     )
-    tokens = tf.cast(parsed["token_ids"].values, tf.int32)  # (N,)
-    lengths = tf.cast(parsed["segment_lengths"].values, tf.int32)  # (S,)
+    tokens = tf.cast(parsed[tokens_feature].values, tf.int32)  # (N,)
+    lengths = tf.cast(parsed[lengths_feature].values, tf.int32)  # (S,)
     return tokens, lengths
 
 
@@ -213,12 +215,16 @@ def make_encoder_dataset(
         raise ValueError(f"`task` must be one of {TASKS}. Received: task={task!r}")
     if not isinstance(mask_rate, (int, float)) or not 0.0 < mask_rate < 1.0:
         raise ValueError(f"`mask_rate` must be in (0, 1). Received: mask_rate={mask_rate!r}")
-    if input_context is not None:
-        num_shards = input_context.num_input_pipelines
-        shard_index = input_context.input_pipeline_id
-    reader._validate_common(num_shards, shard_index, batch_size, shuffle_buffer)
-    manifest = reader.load_manifest(data_dir)
-    reader._check_format(manifest, data_dir, reader.ENCODER_FORMAT, "make_encoder_dataset")
+    manifest, num_shards, shard_index = reader.open_data_dir(
+        data_dir,
+        ENCODER_FORMAT,
+        "make_encoder_dataset",
+        batch_size=batch_size,
+        num_shards=num_shards,
+        shard_index=shard_index,
+        input_context=input_context,
+        shuffle_buffer=shuffle_buffer,
+    )
     seq_len = manifest["seq_len"]
     if max_predictions is None:
         max_predictions = default_max_predictions(seq_len, mask_rate)

@@ -47,7 +47,7 @@ SHARD_FILENAME_PATTERN = re.compile(r"^(train|val)-\d{5}-of-\d{5}\.tfrecord$")
 
 
 def shard_filename(split: str, index: int, count: int) -> str:
-    """The final name of shard `index` of `count` in a split, e.g. `train-00003-of-00012.tfrecord`."""
+    """The final name of a split's shard `index` of `count`: `train-00003-of-00012.tfrecord`."""
     return f"{split}-{index:05d}-of-{count:05d}.tfrecord"
 
 

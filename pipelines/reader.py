@@ -59,7 +59,6 @@ Example:
 TensorShape([8, 128])
 """
 
-import hashlib
 import json
 import os
 import warnings
@@ -68,11 +67,16 @@ from typing import List, Optional, Tuple
 import tensorflow as tf
 
 from pipelines.errors import DataError
+from pipelines.files import file_sha256
+from pipelines.manifest import (
+    ENCODER_FORMAT,
+    MANIFEST_FILENAME,
+    PACKED_FORMAT,
+    SUPPORTED_FORMAT_VERSIONS,
+    Manifest,
+    Shard,
+)
 
-MANIFEST_FILENAME = "manifest.json"
-SUPPORTED_FORMAT_VERSIONS = (1, 2)
-PACKED_FORMAT = "tfgpt-packed-tokens"
-ENCODER_FORMAT = "tfgpt-encoder-segments"
 DEFAULT_SHUFFLE_BUFFER = 10_000
 
 
@@ -80,14 +84,14 @@ class CorruptShardWarning(UserWarning):
     """Shards left out by `skip_corrupt=True`; the message counts them and their records."""
 
 
-def load_manifest(data_dir: str) -> dict:
+def load_manifest(data_dir: str) -> Manifest:
     """Read and check `manifest.json` of a data directory.
 
     Args:
         data_dir: str. A directory written by `python -m pipelines.prepare`.
 
     Returns:
-        dict. The manifest (see `pipelines.prepare` for its keys).
+        dict. The manifest (`pipelines.manifest.Manifest` describes its keys).
     """
     path = os.path.join(data_dir, MANIFEST_FILENAME)
     if not tf.io.gfile.exists(path):
@@ -108,7 +112,7 @@ def load_manifest(data_dir: str) -> dict:
     return manifest
 
 
-def _split_shards(manifest: dict, split: str, data_dir: str) -> List[dict]:
+def _split_shards(manifest: Manifest, split: str, data_dir: str) -> List[Shard]:
     splits = manifest["splits"]
     if split not in splits:
         raise ValueError(f"`split` must be one of {sorted(splits)}. Received: split={split!r}")
@@ -145,8 +149,8 @@ def _validate_batch_size(batch_size: int) -> None:
 
 
 def worker_shards(
-    shards: List[dict], num_workers: int, worker_index: int
-) -> Tuple[List[dict], bool]:
+    shards: List[Shard], num_workers: int, worker_index: int
+) -> Tuple[List[Shard], bool]:
     """Decide which shard files one worker reads, and whether to split records.
 
     Args:
@@ -163,7 +167,7 @@ def worker_shards(
     return list(shards), True
 
 
-def records_per_worker(manifest: dict, split: str, num_workers: int) -> List[int]:
+def records_per_worker(manifest: Manifest, split: str, num_workers: int) -> List[int]:
     """Number of records each worker reads in one epoch, under `make_dataset`'s rule.
 
     Args:
@@ -232,19 +236,12 @@ def first_unreadable_record(path: str, compression: Optional[str] = None) -> str
 
 
 def _sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with tf.io.gfile.GFile(path, "rb") as shard_file:
-        while True:
-            block = shard_file.read(8 << 20)
-            if not block:
-                break
-            digest.update(block)
-    return digest.hexdigest()
+    return file_sha256(path, open_file=tf.io.gfile.GFile)
 
 
 def _check_shard_files(
     data_dir: str,
-    shards: List[dict],
+    shards: List[Shard],
     verify_checksums: bool,
     compression: Optional[str] = None,
     locate_records: bool = False,
@@ -320,7 +317,7 @@ def _validate_common(num_shards, shard_index, batch_size, shuffle_buffer) -> Non
         )
 
 
-def _check_format(manifest: dict, data_dir: str, expected: str, function: str) -> None:
+def _check_format(manifest: Manifest, data_dir: str, expected: str, function: str) -> None:
     found = manifest.get("format", PACKED_FORMAT)
     if found != expected:
         hint = (
@@ -334,8 +331,42 @@ def _check_format(manifest: dict, data_dir: str, expected: str, function: str) -
         )
 
 
+def open_data_dir(
+    data_dir: str,
+    data_format: str,
+    function: str,
+    *,
+    batch_size: int,
+    num_shards: int,
+    shard_index: int,
+    input_context: Optional[tf.distribute.InputContext],
+    shuffle_buffer: int,
+) -> Tuple[Manifest, int, int]:
+    """Check a reader's arguments and the directory's format; the part every reader shares.
+
+    Args:
+        data_dir: str. A prepared data directory.
+        data_format: str. The `format` the reader reads (`PACKED_FORMAT` or
+            `ENCODER_FORMAT`).
+        function: str. The reader's name, for the error message.
+        batch_size, num_shards, shard_index, input_context, shuffle_buffer:
+            as for `make_dataset`.
+
+    Returns:
+        (manifest, num_shards, shard_index), the last two from
+        `input_context` when it is given.
+    """
+    if input_context is not None:
+        num_shards = input_context.num_input_pipelines
+        shard_index = input_context.input_pipeline_id
+    _validate_common(num_shards, shard_index, batch_size, shuffle_buffer)
+    manifest = load_manifest(data_dir)
+    _check_format(manifest, data_dir, data_format, function)
+    return manifest, num_shards, shard_index
+
+
 def worker_records(
-    manifest: dict,
+    manifest: Manifest,
     data_dir: str,
     split: str,
     batch_size: int,
@@ -488,12 +519,16 @@ def make_dataset(
         tf.data.Dataset of `(inputs, targets)`, int32, each of shape
         `(batch_size, seq_len)`.
     """
-    if input_context is not None:
-        num_shards = input_context.num_input_pipelines
-        shard_index = input_context.input_pipeline_id
-    _validate_common(num_shards, shard_index, batch_size, shuffle_buffer)
-    manifest = load_manifest(data_dir)
-    _check_format(manifest, data_dir, PACKED_FORMAT, "make_dataset")
+    manifest, num_shards, shard_index = open_data_dir(
+        data_dir,
+        PACKED_FORMAT,
+        "make_dataset",
+        batch_size=batch_size,
+        num_shards=num_shards,
+        shard_index=shard_index,
+        input_context=input_context,
+        shuffle_buffer=shuffle_buffer,
+    )
     dataset = worker_records(
         manifest,
         data_dir,

@@ -300,13 +300,21 @@ class SegmentReader:
     def __iter__(self) -> Iterator[str]:
         kind = self.source.kind
         if kind == "default":
-            yield from self._default_documents()
+            from pipelines import default_corpus
+
+            texts = default_corpus.iter_documents()
         elif kind == "tfds":
-            yield from self._tfds_documents()
+            texts = self._tfds_texts()
         elif kind in ("jsonl", "jsonl.zst"):
-            yield from self._json_lines_documents()
+            texts = self._json_lines_texts()
         else:
-            yield from self._text_documents()
+            texts = self._text_blocks()
+        for text in texts:
+            if not text.strip():
+                self.empty_documents += 1
+                continue
+            self.documents += 1
+            yield text
 
     # Lines -----------------------------------------------------------------
 
@@ -371,7 +379,7 @@ class SegmentReader:
 
     # Kinds -----------------------------------------------------------------
 
-    def _json_lines_documents(self) -> Iterator[str]:
+    def _json_lines_texts(self) -> Iterator[str]:
         for line_number, offset, raw_line in self._lines():
             if self.end is not None and offset is not None and offset >= self.end:
                 break
@@ -397,13 +405,9 @@ class SegmentReader:
                     f'{where}: expected a JSON object with a string "{self.text_key}" '
                     f"field, got {received}"
                 )
-            if not text.strip():
-                self.empty_documents += 1
-                continue
-            self.documents += 1
             yield text
 
-    def _text_documents(self) -> Iterator[str]:
+    def _text_blocks(self) -> Iterator[str]:
         # A block belongs to the chunk holding the blank line just before it.
         # Cut files: skip to the first blank line at or after `start`; the
         # blocks before it belong to the previous chunk.
@@ -414,7 +418,6 @@ class SegmentReader:
             line = self._decode(line_number, offset, raw_line).rstrip("\n").rstrip("\r")
             if not line.strip():
                 if block:
-                    self.documents += 1
                     yield "\n".join(block)
                     block = []
                 last_blank = offset
@@ -427,20 +430,9 @@ class SegmentReader:
                     return
             block.append(line)
         if block:
-            self.documents += 1
             yield "\n".join(block)
 
-    def _default_documents(self) -> Iterator[str]:
-        from pipelines import default_corpus
-
-        for document in default_corpus.iter_documents():
-            if not document.strip():
-                self.empty_documents += 1
-                continue
-            self.documents += 1
-            yield document
-
-    def _tfds_documents(self) -> Iterator[str]:
+    def _tfds_texts(self) -> Iterator[str]:
         import tensorflow_datasets as tfds
 
         name, split = parse_tfds_spec(self.source.path)
@@ -464,12 +456,7 @@ class SegmentReader:
                     f"(features: {sorted(example)[:5]})"
                 )
             value = example[self.text_key]
-            text = value.decode("utf-8") if isinstance(value, bytes) else str(value)
-            if not text.strip():
-                self.empty_documents += 1
-                continue
-            self.documents += 1
-            yield text
+            yield value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
 
 class ChunkReader:

@@ -32,7 +32,8 @@ from typing import Dict, List, Optional, Sequence
 import google_crc32c
 import numpy as np
 
-COMPRESSION_TYPES = (None, "GZIP")
+from pipelines.manifest import COMPRESSIONS as COMPRESSION_TYPES
+from pipelines.manifest import PACKED_FEATURE
 # TFRecord framing per record: uint64 length, uint32 length CRC, uint32 data CRC.
 FRAMING_BYTES = 16
 _CRC_MASK_DELTA = 0xA282EAD8
@@ -90,7 +91,7 @@ def _int64_feature_entry(name: str, packed_values: bytes) -> bytes:
     return _length_delimited(0x0A, map_entry)  # Features.feature = 1
 
 
-def serialize_records(records: np.ndarray, feature_name: str = "input_ids") -> List[bytes]:
+def serialize_records(records: np.ndarray, feature_name: str = PACKED_FEATURE) -> List[bytes]:
     """Serialize records as `tf.train.Example`s with one int64 feature.
 
     Byte-for-byte what protobuf produces for

@@ -20,7 +20,7 @@ from pipelines import prepare, reader
 from pipelines.encoder_data import default_max_predictions, make_encoder_dataset
 from pipelines.errors import DataError
 from pipelines.tokenizer import Tokenizer
-from tests.test_pipelines import WORDS
+from tests.test_pipelines import WORDS, assert_follows_schema
 
 SEQ_LEN = 40  # Records hold at most 37 tokens.
 VOCABULARY_SIZE = 384
@@ -78,6 +78,7 @@ def raw_records(data_dir, manifest, split="train"):
 def test_prepare_writes_segment_records_with_reserved_special_ids(encoder_data):
     data_dir, manifest = encoder_data["dir"], encoder_data["manifest"]
     assert manifest["format"] == "tfgpt-encoder-segments" and manifest["format_version"] == 2
+    assert_follows_schema(manifest)
     assert manifest["record_length"] == SEQ_LEN - 3
     description = manifest["tokenizer"]
     assert [description[key] for key in ("pad_id", "unk_id", "eos_id")] == [0, 1, 2]

@@ -6,6 +6,7 @@ documents joined by EOS. The tokenizer uses the `identity` normalization rule
 and no dummy prefix, so decoding is exact (not "modulo normalization").
 """
 
+import argparse
 import glob
 import hashlib
 import json
@@ -13,13 +14,15 @@ import os
 import random
 import subprocess
 import sys
+import textwrap
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
 from pipelines import default_corpus, prepare, reader
-from pipelines.prepare import resume, shard_writer
+from pipelines import manifest as data_format
+from pipelines.prepare import cli, resume, shard_writer
 from pipelines.errors import DataError
 from pipelines.tfrecord import serialize_records
 from pipelines.tokenizer import Tokenizer, train_tokenizer
@@ -305,6 +308,43 @@ def test_round_trip_shards_match_manifest(all_train_dataset):
         assert hashlib.sha256(model_file.read()).hexdigest() == manifest["tokenizer"]["sha256"]
     assert manifest["tokenizer"]["vocabulary_size"] == VOCABULARY_SIZE
     assert manifest["format_version"] == 1 and manifest["feature"] == "input_ids"
+
+
+def assert_follows_schema(manifest):
+    """Every key the writer wrote is declared in `pipelines.manifest`, in the declared order."""
+
+    def check(schema, entry):
+        declared = [
+            key
+            for key in schema.__annotations__
+            if key in schema.__required_keys__ or key in entry
+        ]
+        assert list(entry) == declared, schema.__name__
+
+    check(data_format.Manifest, manifest)
+    check(data_format.TokenizerDescription, manifest["tokenizer"])
+    check(data_format.Totals, manifest["totals"])
+    assert list(manifest["splits"]) == list(data_format.SPLITS)
+    encoder = manifest["format"] == data_format.ENCODER_FORMAT
+    for split in manifest["splits"].values():
+        check(data_format.Split, split)
+        assert ("segments" in split) == encoder  # The one optional key.
+        for shard in split["shards"]:
+            check(data_format.Shard, shard)
+
+
+def test_manifest_follows_the_schema_the_readers_use(all_train_dataset):
+    _, manifest = all_train_dataset
+    assert_follows_schema(manifest)
+    assert manifest["format"] == "tfgpt-packed-tokens" == reader.PACKED_FORMAT
+    # A key the writer adds, drops or reorders is a schema change: it must fail.
+    for changed in (
+        dict(manifest, extra=1),
+        {key: value for key, value in manifest.items() if key != "seed"},
+        dict(reversed(list(manifest.items()))),
+    ):
+        with pytest.raises(AssertionError):
+            assert_follows_schema(changed)
 
 
 def test_records_are_tf_train_examples_with_one_int64_feature(all_train_dataset):
@@ -715,52 +755,20 @@ def test_reuses_an_existing_tokenizer(corpus, all_train_dataset, tmp_path):
 
 
 def test_cli_errors_print_one_line_and_exit_2(tmp_path, capsys):
-    status = prepare.main(
-        [
-            "--input",
-            str(tmp_path / "missing.txt"),
-            "--output",
-            str(tmp_path / "out"),
-            "--seq-len",
-            "16",
-            "--vocab-size",
-            "300",
-        ]
-    )
+    flags = ["--output", str(tmp_path / "out"), "--seq-len", "16", "--vocab-size", "300"]
+    status = prepare.main(["--input", str(tmp_path / "missing.txt")] + flags)
     assert status == 2
     assert (
         capsys.readouterr().err
         == f"error: {tmp_path / 'missing.txt'}: input file or directory not found\n"
     )
-    status = prepare.main(
-        [
-            "--output",
-            str(tmp_path / "out"),
-            "--seq-len",
-            "16",
-            "--vocab-size",
-            "300",
-            "--shard-size",
-            "lots",
-        ]
-    )
+    status = prepare.main(flags + ["--shard-size", "lots"])
     assert status == 2
     assert capsys.readouterr().err.startswith("error: `shard_size` must be an integer")
     # As a real process: no traceback.
     completed = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pipelines.prepare",
-            "--input",
-            str(tmp_path / "bad.jsonl"),
-            "--output",
-            str(tmp_path / "out"),
-            "--seq-len",
-            "16",
-            "--vocab-size",
-            "300",
-        ],
+        [sys.executable, "-m", "pipelines.prepare", "--input", str(tmp_path / "bad.jsonl")]
+        + flags,
         capture_output=True,
         text=True,
         cwd=REPOSITORY,
@@ -771,6 +779,101 @@ def test_cli_errors_print_one_line_and_exit_2(tmp_path, capsys):
         completed.stderr.strip().splitlines()[-1]
         == f"error: {tmp_path / 'bad.jsonl'}: input file or directory not found"
     )
+
+
+def help_entries():
+    """Each flag's rendered `--help` entry (its lines), keyed by the flag's option string."""
+    parser = cli.build_argument_parser()
+    text = parser.format_help()
+    entries = {}
+    current = None
+    for line in text.splitlines():
+        stripped = line.strip()
+        if line.startswith("  -") and not line.startswith("   "):
+            current = stripped.split()[0].rstrip(",")
+            entries[current] = [stripped]
+        elif current is not None and line.startswith("    ") and stripped:
+            entries[current].append(stripped)
+        else:
+            current = None
+    return parser, {flag: " ".join(lines) for flag, lines in entries.items()}
+
+
+def test_help_explains_every_flag_with_its_choices_and_default():
+    parser, entries = help_entries()
+    flags = [action for action in parser._actions if action.option_strings != ["-h", "--help"]]
+    assert len(flags) == 19
+    for action in flags:
+        (flag,) = action.option_strings
+        entry = entries[flag]
+        assert action.help and len(action.help.split()) >= 3, flag
+        assert action.help.split()[0] in entry, flag
+        if action.required:
+            assert "default" not in entry, flag
+        else:
+            assert "(default: " in entry or "(required unless" in entry, (flag, entry)
+        if action.default not in (None, argparse.SUPPRESS):
+            assert f"(default: {action.default})" in entry, flag
+    # The enumerated flags list exactly the values prepare() accepts.
+    enumerated = {
+        "--format": tuple(data_format.RECORD_FORMATS),
+        "--tokenizer-type": ("bpe", "unigram", "wordpiece"),
+        "--compression": ("none", "gzip"),
+    }
+    assert {action.option_strings[0] for action in flags if action.choices} == set(enumerated)
+    for flag, choices in enumerated.items():
+        assert entries[flag].startswith(f"{flag} {{{','.join(choices)}}}"), entries[flag]
+    assert tuple(cli.COMPRESSIONS.values()) == data_format.COMPRESSIONS
+    # Defaults follow the library's: the sizes read back to prepare()'s defaults.
+    assert cli.parse_size(parser.get_default("shard_size")) == prepare.DEFAULT_SHARD_SIZE
+    assert (
+        cli.parse_size(parser.get_default("tokenizer_sample_bytes"))
+        == prepare.DEFAULT_TOKENIZER_SAMPLE_BYTES
+    )
+    # The usage examples stay on their own lines (the description is not re-wrapped).
+    text = parser.format_help()
+    assert "\n    python -m pipelines.prepare --output data/default --seq-len 128" in text
+
+
+@pytest.mark.parametrize("size", [1, 1000, 64 << 10, 3 << 20, 1 << 30, 5 << 40, (1 << 30) + 1])
+def test_format_size_reads_back(size):
+    text = cli.format_size(size)
+    assert cli.parse_size(text) == size
+    assert len(text) <= len(str(size))
+
+
+def test_help_imports_no_tensorflow():
+    """The CLI, and every module of `pipelines` but the readers, import no TensorFlow."""
+    script = textwrap.dedent("""
+        import contextlib, io, runpy, sys
+        import pipelines, pipelines.default_corpus, pipelines.files, pipelines.manifest
+        import pipelines.sources, pipelines.tfrecord, pipelines.tokenizer
+        import pipelines.wordpiece_tokenizer
+        sys.argv = ["pipelines.prepare", "--help"]
+        output = io.StringIO()
+        with contextlib.redirect_stdout(output):
+            try:
+                runpy.run_module("pipelines.prepare", run_name="__main__")
+            except SystemExit as exit:
+                assert exit.code == 0, exit.code
+        assert output.getvalue().startswith("usage: python -m pipelines.prepare"), output.getvalue()
+        print(sorted(name for name in sys.modules if name.split(".")[0] == "tensorflow"))
+        """)
+    completed = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPOSITORY, capture_output=True, text=True
+    )
+    assert completed.returncode == 0, completed.stderr
+    assert completed.stdout.strip() == "[]"
+    assert completed.stderr == ""  # Not a TensorFlow log line.
+    # And the command itself, as users run it.
+    completed = subprocess.run(
+        [sys.executable, "-m", "pipelines.prepare", "--help"],
+        cwd=REPOSITORY,
+        capture_output=True,
+        text=True,
+    )
+    assert completed.returncode == 0 and completed.stderr == ""
+    assert "--tokenizer-type {bpe,unigram,wordpiece}" in completed.stdout
 
 
 # ----------------------------------------------------------------------------
@@ -792,9 +895,8 @@ def fail_after(count, real_function):
 def test_crash_mid_write_leaves_no_final_shard_and_no_manifest(corpus, tmp_path, monkeypatch):
     # 100 records is two shards in: some shards are complete (closed,
     # fsynced) when the crash comes, and still must not appear under final names.
-    monkeypatch.setattr(
-        shard_writer.SplitWriter, "_write_record", fail_after(100, shard_writer.SplitWriter._write_record)
-    )
+    writer = shard_writer.SplitWriter
+    monkeypatch.setattr(writer, "_write_record", fail_after(100, writer._write_record))
     monkeypatch.setattr(
         resume, "remove_temporary_files", lambda directory: None
     )  # As after kill -9.
@@ -813,9 +915,8 @@ def test_crash_mid_write_leaves_no_final_shard_and_no_manifest(corpus, tmp_path,
 def test_failed_overwrite_keeps_the_old_dataset(corpus, all_train_dataset, tmp_path, monkeypatch):
     data_dir = copy_dataset(all_train_dataset[0], tmp_path / "copy")
     before = sorted(os.listdir(data_dir))
-    monkeypatch.setattr(
-        shard_writer.SplitWriter, "_write_record", fail_after(30, shard_writer.SplitWriter._write_record)
-    )
+    writer = shard_writer.SplitWriter
+    monkeypatch.setattr(writer, "_write_record", fail_after(30, writer._write_record))
     with pytest.raises(RuntimeError, match="simulated crash"):
         prepare.prepare(**dict(prepare_arguments(data_dir, *corpus["inputs"]), overwrite=True))
     assert sorted(os.listdir(data_dir)) == before

@@ -21,8 +21,8 @@ import pytest
 import tensorflow as tf
 
 from pipelines import prepare, reader, sources
-from pipelines.prepare import encoding, progress
 from pipelines.errors import DataError
+from pipelines.prepare import encoding, progress
 from pipelines.tokenizer import Tokenizer, train_tokenizer
 from tests.test_pipelines import (
     SEQ_LEN,
@@ -253,39 +253,52 @@ def test_resume_after_interrupt_skips_finished_chunks(
     assert not [name for name in os.listdir(tmp_path / "out") if name.startswith(".")]
 
 
+def run_patched_prepare(patch, output, many_files, tokenizer_path, crash):
+    """`prepare.main` in a new process with 2 workers, after `patch` (code) changes `encoding`.
+
+    The patch crashes only when `crash` (it sees CRASH in the environment);
+    the same command without it is the rerun.
+    """
+    script = (
+        "import os, signal, sys\n"
+        "from pipelines import prepare\n"
+        "from pipelines.prepare import encoding\n"
+        + textwrap.dedent(patch)
+        + "sys.exit(prepare.main(sys.argv[1:]))\n"
+    )
+    argv = [sys.executable, "-c", script, "--output", str(output)]
+    argv += ["--seq-len", str(SEQ_LEN), "--tokenizer", tokenizer_path, "--shard-size", "2048"]
+    argv += ["--chunk-size", "6000", "--val-fraction", "0.2", "--seed", "3", "--workers", "2"]
+    for path in many_files["inputs"]:
+        argv += ["--input", path]
+    environment = dict(os.environ, CRASH="1") if crash else None
+    # The timeout fails the test if a killed run's workers outlive it
+    # (they hold its output pipes open).
+    return subprocess.run(
+        argv, cwd=REPOSITORY, env=environment, capture_output=True, text=True, timeout=120
+    )
+
+
 @pytest.mark.slow
 def test_resume_after_kill_9(many_files, tokenizer_path, reference_run, tmp_path):
     """A real crash: the process is killed with SIGKILL after two chunks are recorded."""
-    data_dir, manifest = reference_run
-    script = textwrap.dedent(f"""
-        import os, signal, sys
-        from pipelines import prepare
-        from pipelines.prepare import encoding
+    data_dir, _ = reference_run
+    patch = """
         finished = []
         def crash(chunk_index):
             finished.append(chunk_index)
             if len(finished) == 2 and os.environ.get("CRASH"):
                 os.kill(os.getpid(), signal.SIGKILL)
         encoding.on_chunk_encoded = crash
-        sys.exit(prepare.main(sys.argv[1:]))
-        """)
-    argv = [sys.executable, "-c", script, "--output", str(tmp_path / "out")]
-    argv += ["--seq-len", str(SEQ_LEN), "--tokenizer", tokenizer_path, "--shard-size", "2048"]
-    argv += ["--chunk-size", "6000", "--val-fraction", "0.2", "--seed", "3", "--workers", "2"]
-    for path in many_files["inputs"]:
-        argv += ["--input", path]
-    environment = dict(os.environ, CRASH="1")
-    # The timeout fails the test if the killed run's workers outlive it
-    # (they hold its output pipes open).
-    crashed = subprocess.run(
-        argv, cwd=REPOSITORY, env=environment, capture_output=True, text=True, timeout=120
-    )
+        """
+    output = tmp_path / "out"
+    crashed = run_patched_prepare(patch, output, many_files, tokenizer_path, crash=True)
     assert crashed.returncode == -9, crashed.stderr
-    assert not glob.glob(str(tmp_path / "out" / "*.tfrecord"))
-    completed = subprocess.run(argv, cwd=REPOSITORY, capture_output=True, text=True, timeout=120)
+    assert not glob.glob(str(output / "*.tfrecord"))
+    completed = run_patched_prepare(patch, output, many_files, tokenizer_path, crash=False)
     assert completed.returncode == 0, completed.stderr
     assert "resuming: 2 of " in completed.stderr
-    assert shard_digests(tmp_path / "out") == shard_digests(data_dir)
+    assert shard_digests(output) == shard_digests(data_dir)
 
 
 @pytest.mark.slow
@@ -294,37 +307,22 @@ def test_a_dead_worker_fails_the_run_at_once_and_the_rerun_completes(
 ):
     """A worker killed mid-chunk (as by the out-of-memory killer) must not hang the run."""
     data_dir, _ = reference_run
-    script = textwrap.dedent("""
-        import os, signal, sys
-        from pipelines import prepare
-        from pipelines.prepare import encoding
+    patch = """
         real = encoding.encode_chunk
         def dying(job, chunk_index, segments, counters):
             if chunk_index == 3 and os.environ.get("CRASH"):
                 os.kill(os.getpid(), signal.SIGKILL)
             return real(job, chunk_index, segments, counters)
         encoding.encode_chunk = dying  # Forked workers inherit it.
-        sys.exit(prepare.main(sys.argv[1:]))
-        """)
-    argv = [sys.executable, "-c", script, "--output", str(tmp_path / "out")]
-    argv += ["--seq-len", str(SEQ_LEN), "--tokenizer", tokenizer_path, "--shard-size", "2048"]
-    argv += ["--chunk-size", "6000", "--val-fraction", "0.2", "--seed", "3", "--workers", "2"]
-    for path in many_files["inputs"]:
-        argv += ["--input", path]
-    crashed = subprocess.run(
-        argv,
-        cwd=REPOSITORY,
-        env=dict(os.environ, CRASH="1"),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+        """
+    output = tmp_path / "out"
+    crashed = run_patched_prepare(patch, output, many_files, tokenizer_path, crash=True)
     assert crashed.returncode == 2
     assert "error: a encode worker process died" in crashed.stderr
-    assert prepare.STATE_FILENAME in os.listdir(tmp_path / "out")
-    completed = subprocess.run(argv, cwd=REPOSITORY, capture_output=True, text=True, timeout=120)
+    assert prepare.STATE_FILENAME in os.listdir(output)
+    completed = run_patched_prepare(patch, output, many_files, tokenizer_path, crash=False)
     assert completed.returncode == 0, completed.stderr
-    assert shard_digests(tmp_path / "out") == shard_digests(data_dir)
+    assert shard_digests(output) == shard_digests(data_dir)
 
 
 def test_changed_input_starts_over(many_files, tokenizer_path, tmp_path, monkeypatch):

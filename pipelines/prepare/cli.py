@@ -85,7 +85,7 @@ def build_argument_parser() -> argparse.ArgumentParser:
         prog="python -m pipelines.prepare",
         description=_description(),
         epilog=(
-            "The steps, the record formats, resuming and memory: python -m pydoc pipelines.prepare\n"
+            "The steps, record formats, resuming and memory: python -m pydoc pipelines.prepare\n"
             "The manifest's keys: python -m pydoc pipelines.manifest"
         ),
         formatter_class=HelpFormatter,
@@ -110,8 +110,8 @@ def build_argument_parser() -> argparse.ArgumentParser:
         action="append",
         default=not_given,
         metavar="NAME[:SPLIT]",
-        help="a TensorFlow Datasets split already prepared in --tfds-data-dir, read without "
-        "downloading; repeat for several (the split defaults to train)",
+        help="a TensorFlow Datasets split (NAME alone: its train split) already prepared in "
+        "--tfds-data-dir, read without downloading; repeat for several (default: none)",
     )
     inputs.add_argument(
         "--tfds-data-dir",
@@ -120,7 +120,10 @@ def build_argument_parser() -> argparse.ArgumentParser:
         help="the TensorFlow Datasets data_dir of --tfds (default: TFDS's own)",
     )
     inputs.add_argument(
-        "--text-key", default="text", metavar="KEY", help="JSON Lines field / TFDS feature holding the text"
+        "--text-key",
+        default="text",
+        metavar="KEY",
+        help="JSON Lines field / TFDS feature holding the text",
     )
 
     output = parser.add_argument_group("output")
@@ -197,8 +200,8 @@ def build_argument_parser() -> argparse.ArgumentParser:
         "--tokenizer",
         default=not_given,
         metavar="PATH",
-        help="reuse a tokenizer instead of training one: tokenizer.model, vocab.txt, or a "
-        "directory holding one (e.g. an earlier data directory)",
+        help="reuse a tokenizer: tokenizer.model, vocab.txt, or a directory holding one, e.g. "
+        "an earlier data directory (default: train one on the corpus)",
     )
     tokenizer.add_argument(
         "--tokenizer-sample-bytes",

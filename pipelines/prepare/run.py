@@ -14,7 +14,7 @@ from typing import Callable, Optional, Sequence
 
 from pipelines.errors import DataError
 from pipelines.files import write_atomically
-from pipelines.manifest import COMPRESSIONS, MANIFEST_FILENAME, RECORD_FORMATS, SPLITS
+from pipelines.manifest import COMPRESSIONS, MANIFEST_FILENAME, RECORD_FORMATS, SPLITS, Manifest
 from pipelines.prepare import resume, tokenizer_training
 from pipelines.prepare.commit import build_manifest, commit, split_summary
 from pipelines.prepare.encoding import ChunkRunner, WorkerDied, encode_chunks
@@ -46,50 +46,29 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _validate_arguments(
-    seq_len,
-    vocabulary_size,
-    shard_size,
-    val_fraction,
-    seed,
-    tokenizer_sample_bytes,
-    tokenizer_type="bpe",
-    record_format="packed",
-) -> None:
-    """Raise ValueError naming the first invalid argument."""
-    if not _is_int(seq_len) or seq_len < MINIMUM_SEQ_LEN:
+def _check_byte_count(name: str, value) -> None:
+    if not _is_int(value) or value < 1:
         raise ValueError(
-            f"`seq_len` must be an int of at least {MINIMUM_SEQ_LEN}. "
-            f"Received: seq_len={seq_len!r}"
+            f"`{name}` must be a positive number of bytes. Received: {name}={value!r}"
         )
+
+
+def _check_vocabulary_size(vocabulary_size, tokenizer_type, record_format) -> None:
+    """Raise ValueError if a vocabulary to train cannot hold the tokenizer's fixed pieces."""
     if vocabulary_size is None:
-        pass
-    elif tokenizer_type == "wordpiece":
+        return
+    if tokenizer_type == "wordpiece":
         check_wordpiece_vocabulary_size(vocabulary_size)
-    else:
-        minimum = minimum_vocabulary_size(encoder_special_tokens=record_format == "encoder")
-        if not _is_int(vocabulary_size) or vocabulary_size < minimum:
-            specials = minimum - NUMBER_OF_BYTE_PIECES - 1
-            raise ValueError(
-                f"`vocabulary_size` must be an int of at least {minimum}"
-                + (" for --format encoder" if record_format == "encoder" else "")
-                + f" ({specials} special + {NUMBER_OF_BYTE_PIECES} byte-fallback pieces + 1). "
-                f"Received: vocabulary_size={vocabulary_size!r}"
-            )
-    if not _is_int(shard_size) or shard_size < 1:
+        return
+    encoder = record_format == "encoder"
+    minimum = minimum_vocabulary_size(encoder_special_tokens=encoder)
+    if not _is_int(vocabulary_size) or vocabulary_size < minimum:
+        specials = minimum - NUMBER_OF_BYTE_PIECES - 1
         raise ValueError(
-            f"`shard_size` must be a positive number of bytes. Received: shard_size={shard_size!r}"
-        )
-    if not isinstance(val_fraction, (int, float)) or not 0.0 <= val_fraction < 1.0:
-        raise ValueError(
-            f"`val_fraction` must be in [0, 1). Received: val_fraction={val_fraction!r}"
-        )
-    if not _is_int(seed) or not 0 <= seed < (1 << 63):
-        raise ValueError(f"`seed` must be an int in [0, 2**63). Received: seed={seed!r}")
-    if not _is_int(tokenizer_sample_bytes) or tokenizer_sample_bytes < 1:
-        raise ValueError(
-            "`tokenizer_sample_bytes` must be a positive number of bytes. "
-            f"Received: tokenizer_sample_bytes={tokenizer_sample_bytes!r}"
+            f"`vocabulary_size` must be an int of at least {minimum}"
+            + (" for --format encoder" if encoder else "")
+            + f" ({specials} special + {NUMBER_OF_BYTE_PIECES} byte-fallback pieces + 1). "
+            f"Received: vocabulary_size={vocabulary_size!r}"
         )
 
 
@@ -116,7 +95,7 @@ def prepare(
     text_key: str = "text",
     log: Callable[[str], None] = stderr_log,
     interactive_progress: bool = False,
-) -> dict:
+) -> Manifest:
     """Build a tfgpt data directory from raw text. The CLI calls this.
 
     Args:
@@ -164,16 +143,20 @@ def prepare(
             f"`tokenizer_type` must be one of {TOKENIZER_TYPES}. "
             f"Received: tokenizer_type={tokenizer_type!r}"
         )
-    _validate_arguments(
-        seq_len,
-        vocabulary_size,
-        shard_size,
-        val_fraction,
-        seed,
-        tokenizer_sample_bytes,
-        tokenizer_type,
-        record_format,
-    )
+    if not _is_int(seq_len) or seq_len < MINIMUM_SEQ_LEN:
+        raise ValueError(
+            f"`seq_len` must be an int of at least {MINIMUM_SEQ_LEN}. "
+            f"Received: seq_len={seq_len!r}"
+        )
+    _check_vocabulary_size(vocabulary_size, tokenizer_type, record_format)
+    _check_byte_count("shard_size", shard_size)
+    if not isinstance(val_fraction, (int, float)) or not 0.0 <= val_fraction < 1.0:
+        raise ValueError(
+            f"`val_fraction` must be in [0, 1). Received: val_fraction={val_fraction!r}"
+        )
+    if not _is_int(seed) or not 0 <= seed < (1 << 63):
+        raise ValueError(f"`seed` must be an int in [0, 2**63). Received: seed={seed!r}")
+    _check_byte_count("tokenizer_sample_bytes", tokenizer_sample_bytes)
     if record_format not in RECORD_FORMATS:
         raise ValueError(
             f"`record_format` must be one of {tuple(RECORD_FORMATS)}. "
@@ -186,10 +169,7 @@ def prepare(
     encoder = record_format == "encoder"
     if chunk_size is None:
         chunk_size = max(2 * shard_size, MINIMUM_DEFAULT_CHUNK_SIZE)
-    if not _is_int(chunk_size) or chunk_size < 1:
-        raise ValueError(
-            f"`chunk_size` must be a positive number of bytes. Received: chunk_size={chunk_size!r}"
-        )
+    _check_byte_count("chunk_size", chunk_size)
     if workers is None:
         workers = os.cpu_count() or 1
     if not _is_int(workers) or workers < 1:

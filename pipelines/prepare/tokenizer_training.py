@@ -31,7 +31,7 @@ def has_encoder_pieces(tokenizer) -> bool:
 
 
 def train(sample, tokenizer_type, vocabulary_size, num_threads, encoder):
-    """Train a `tokenizer_type` tokenizer on the sample; encoder ones reserve [CLS], [SEP], [MASK]."""
+    """Train a tokenizer on the sample; for `encoder` data it reserves [CLS], [SEP], [MASK]."""
     if tokenizer_type == "wordpiece":
         return train_wordpiece(sample, vocabulary_size)
     return train_tokenizer(
