@@ -12,6 +12,7 @@ import inspect
 
 import keras
 import numpy as np
+import pytest
 
 from tfgpt.models.encoder_pretraining_model import EncoderPretrainingModel
 
@@ -126,3 +127,83 @@ def check_presets(family):
     for name, preset in family.presets.items():
         assert set(preset) == names, name
         assert dataclasses.asdict(family.config_class.from_preset(name)) == preset
+
+
+# ---- Errors -----------------------------------------------------------------
+
+# Bad values of the fields every family has, and what the error must say.
+BAD_COMMON_FIELDS = [
+    ({"hidden_dim": 10, "num_heads": 4}, r"divisible.*hidden_dim=10, num_heads=4"),
+    ({"num_layers": 0}, r"positive integer.*num_layers=0"),
+    ({"vocabulary_size": 2.5}, r"vocabulary_size=2.5"),
+    ({"dropout": 1.0}, r"\[0, 1\).*dropout=1.0"),
+    ({"dropout": -0.1}, r"dropout=-0.1"),
+    ({"dropout": "0.1"}, r"dropout='0.1'"),
+    ({"activation": "swish"}, r"activation='swish'"),
+    ({"norm_first": "yes"}, r"bool.*norm_first='yes'"),
+    ({"norm_first": 1}, r"norm_first=1"),
+    ({"layer_norm_epsilon": 0}, r"positive.*layer_norm_epsilon=0"),
+    ({"layer_norm_epsilon": "small"}, r"layer_norm_epsilon='small'"),
+]
+
+
+def check_bad_config(cls, fields, overrides, message):
+    """`cls` built from `fields` with `overrides`, and its config dataclass
+    with them, raise a ValueError matching `message`."""
+    with pytest.raises(ValueError, match=message):
+        cls(**{**fields, **overrides})
+    with pytest.raises(ValueError, match=message):
+        cls.config_class(**{**dataclasses.asdict(cls.config_class()), **overrides})
+
+
+def check_unknown_preset_and_field(config_class, preset, unknown_field):
+    with pytest.raises(ValueError, match=r"preset='no-such-model'"):
+        config_class.from_preset("no-such-model")
+    with pytest.raises(ValueError, match=rf"Unknown {config_class.__name__} .*{unknown_field}"):
+        config_class.from_preset(preset, **{unknown_field: 3})
+
+
+# ---- Published parameter counts ---------------------------------------------
+
+
+def fast_then_slow(fast, slow):
+    """Parameters for `pytest.mark.parametrize`, those in `slow` marked slow."""
+    return [*fast, *(pytest.param(name, marks=pytest.mark.slow) for name in slow)]
+
+
+def check_encoder_parameter_counts(
+    pretraining_class, preset, backbone_count, pretraining_count, backbone_formula, heads_formula
+):
+    """An encoder preset has the published counts, by formula and as built."""
+    config = pretraining_class.config_class.from_preset(preset)
+    assert backbone_formula(config) == backbone_count
+    assert backbone_count + heads_formula(config) == pretraining_count
+    model = pretraining_class(**dataclasses.asdict(config))
+    assert model.backbone.count_params() == backbone_count
+    assert model.count_params() == pretraining_count
+
+
+def check_transformers_parameter_counts(
+    family, config, backbone_count, pretraining_count, **family_fields
+):
+    """transformers' `{family}Model` and `{family}ForPreTraining` of the same
+    shape count the same. Fails (not skips) without torch/transformers: they
+    are test requirements."""
+    import torch
+    import transformers
+
+    hf_config = getattr(transformers, f"{family}Config")(
+        vocab_size=config.vocabulary_size,
+        hidden_size=config.hidden_dim,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads,
+        intermediate_size=config.intermediate_dim,
+        max_position_embeddings=config.max_sequence_length,
+        type_vocab_size=config.num_segments,
+        **family_fields,
+    )
+    with torch.device("meta"):  # Shapes only: nothing is allocated.
+        backbone = getattr(transformers, f"{family}Model")(hf_config)
+        pretraining = getattr(transformers, f"{family}ForPreTraining")(hf_config)
+    assert sum(p.numel() for p in backbone.parameters()) == backbone_count
+    assert sum(p.numel() for p in pretraining.parameters()) == pretraining_count

@@ -1,6 +1,5 @@
 """ALBERT: NumPy oracles, factorised embeddings, parameter sharing, counts, saving, errors."""
 
-import dataclasses
 
 import keras
 import numpy as np
@@ -8,7 +7,16 @@ import pytest
 import tensorflow as tf
 
 from tests import numpy_encoder as ref
-from tests.model_contract import check_presets, run_encoder_contract
+from tests.model_contract import (
+    BAD_COMMON_FIELDS,
+    check_bad_config,
+    check_encoder_parameter_counts,
+    check_presets,
+    check_transformers_parameter_counts,
+    check_unknown_preset_and_field,
+    fast_then_slow,
+    run_encoder_contract,
+)
 from tfgpt import Albert, AlbertBackbone, AlbertConfig, SpanQuestionAnswerer
 from tfgpt.config import FAMILIES
 from tfgpt.layers.transformer_block import set_recompute
@@ -232,50 +240,29 @@ ALBERT_PRETRAINING_PARAMETERS = {
 
 
 @pytest.mark.parametrize(
-    "preset",
-    [
-        "albert-base",
-        "albert-large",
-        pytest.param("albert-xlarge", marks=pytest.mark.slow),
-        pytest.param("albert-xxlarge", marks=pytest.mark.slow),
-    ],
+    "preset", fast_then_slow(["albert-base", "albert-large"], ["albert-xlarge", "albert-xxlarge"])
 )
 def test_albert_parameter_counts(preset):
-    config = AlbertConfig.from_preset(preset)
-    assert albert_parameter_count(config) == ALBERT_PARAMETERS[preset]
-    assert (
-        ALBERT_PARAMETERS[preset] + pretraining_heads_parameter_count(config)
-        == ALBERT_PRETRAINING_PARAMETERS[preset]
+    check_encoder_parameter_counts(
+        Albert,
+        preset,
+        ALBERT_PARAMETERS[preset],
+        ALBERT_PRETRAINING_PARAMETERS[preset],
+        albert_parameter_count,
+        pretraining_heads_parameter_count,
     )
-    model = Albert(**dataclasses.asdict(config))
-    assert model.backbone.count_params() == ALBERT_PARAMETERS[preset]
-    assert model.count_params() == ALBERT_PRETRAINING_PARAMETERS[preset]
 
 
 @pytest.mark.parametrize("preset", sorted(ALBERT_PARAMETERS))
 def test_albert_parameter_counts_equal_transformers(preset):
-    # Fails (not skips) without torch/transformers: they are test requirements.
-    import torch
-    import transformers
-
     config = AlbertConfig.from_preset(preset)
-    hf_config = transformers.AlbertConfig(
-        vocab_size=config.vocabulary_size,
+    check_transformers_parameter_counts(
+        "Albert",
+        config,
+        ALBERT_PARAMETERS[preset],
+        ALBERT_PRETRAINING_PARAMETERS[preset],
         embedding_size=config.embedding_dim,
-        hidden_size=config.hidden_dim,
-        num_hidden_layers=config.num_layers,
         num_hidden_groups=config.num_groups,
-        num_attention_heads=config.num_heads,
-        intermediate_size=config.intermediate_dim,
-        max_position_embeddings=config.max_sequence_length,
-        type_vocab_size=config.num_segments,
-    )
-    with torch.device("meta"):  # Shapes only: nothing is allocated.
-        backbone = transformers.AlbertModel(hf_config)
-        pretraining = transformers.AlbertForPreTraining(hf_config)
-    assert sum(p.numel() for p in backbone.parameters()) == ALBERT_PARAMETERS[preset]
-    assert (
-        sum(p.numel() for p in pretraining.parameters()) == ALBERT_PRETRAINING_PARAMETERS[preset]
     )
 
 
@@ -354,22 +341,18 @@ def test_recomputing_shared_blocks_leaves_two_steps_unchanged():
 
 @pytest.mark.parametrize(
     "overrides, message",
-    [
+    BAD_COMMON_FIELDS
+    + [
         ({"num_layers": 4, "num_groups": 3}, r"divisible.*num_layers=4, num_groups=3"),
         ({"num_groups": 0}, r"num_groups=0"),
         ({"embedding_dim": 0}, r"embedding_dim=0"),
-        ({"hidden_dim": 10, "num_heads": 4}, r"hidden_dim=10, num_heads=4"),
         ({"activation": "gelu_new"}, r"activation='gelu_new'"),
         ({"num_segments": 0}, r"num_segments=0"),
     ],
 )
 def test_bad_config_raises(overrides, message):
-    with pytest.raises(ValueError, match=message):
-        Albert(**tiny_config(**overrides))
-    with pytest.raises(ValueError, match=message):
-        AlbertConfig(**{**dataclasses.asdict(AlbertConfig()), **overrides})
+    check_bad_config(Albert, tiny_config(), overrides, message)
 
 
-def test_unknown_preset_raises():
-    with pytest.raises(ValueError, match=r"preset='albert-small'"):
-        AlbertConfig.from_preset("albert-small")
+def test_unknown_preset_and_field_raise():
+    check_unknown_preset_and_field(AlbertConfig, "albert-base", "hidden_size")

@@ -1,6 +1,5 @@
 """BERT: NumPy oracles, padding, heads, parameter counts, saving, errors."""
 
-import dataclasses
 
 import keras
 import numpy as np
@@ -8,7 +7,16 @@ import pytest
 import tensorflow as tf
 
 from tests import numpy_encoder as ref
-from tests.model_contract import check_presets, run_encoder_contract
+from tests.model_contract import (
+    BAD_COMMON_FIELDS,
+    check_bad_config,
+    check_encoder_parameter_counts,
+    check_presets,
+    check_transformers_parameter_counts,
+    check_unknown_preset_and_field,
+    fast_then_slow,
+    run_encoder_contract,
+)
 from tfgpt import Bert, BertBackbone, BertConfig, SequenceClassifier, SpanQuestionAnswerer
 from tfgpt.config import FAMILIES
 from tfgpt.layers import ClassificationHead, SelfAttention, TransformerBlock
@@ -239,42 +247,26 @@ BERT_PARAMETERS = {"bert-base": 109_482_240, "bert-large": 335_141_888}
 BERT_PRETRAINING_PARAMETERS = {"bert-base": 110_106_428, "bert-large": 336_226_108}
 
 
-@pytest.mark.parametrize(
-    "preset", ["bert-base", pytest.param("bert-large", marks=pytest.mark.slow)]
-)
+@pytest.mark.parametrize("preset", fast_then_slow(["bert-base"], ["bert-large"]))
 def test_bert_parameter_counts(preset):
-    config = BertConfig.from_preset(preset)
-    assert bert_parameter_count(config) == BERT_PARAMETERS[preset]
-    assert (
-        BERT_PARAMETERS[preset] + pretraining_heads_parameter_count(config)
-        == BERT_PRETRAINING_PARAMETERS[preset]
+    check_encoder_parameter_counts(
+        Bert,
+        preset,
+        BERT_PARAMETERS[preset],
+        BERT_PRETRAINING_PARAMETERS[preset],
+        bert_parameter_count,
+        pretraining_heads_parameter_count,
     )
-    model = Bert(**dataclasses.asdict(config))
-    assert model.backbone.count_params() == BERT_PARAMETERS[preset]
-    assert model.count_params() == BERT_PRETRAINING_PARAMETERS[preset]
 
 
 @pytest.mark.parametrize("preset", ["bert-base", "bert-large"])
 def test_bert_parameter_counts_equal_transformers(preset):
-    # Fails (not skips) without torch/transformers: they are test requirements.
-    import torch
-    import transformers
-
-    config = BertConfig.from_preset(preset)
-    hf_config = transformers.BertConfig(
-        vocab_size=config.vocabulary_size,
-        hidden_size=config.hidden_dim,
-        num_hidden_layers=config.num_layers,
-        num_attention_heads=config.num_heads,
-        intermediate_size=config.intermediate_dim,
-        max_position_embeddings=config.max_sequence_length,
-        type_vocab_size=config.num_segments,
+    check_transformers_parameter_counts(
+        "Bert",
+        BertConfig.from_preset(preset),
+        BERT_PARAMETERS[preset],
+        BERT_PRETRAINING_PARAMETERS[preset],
     )
-    with torch.device("meta"):  # Shapes only: nothing is allocated.
-        backbone = transformers.BertModel(hf_config)
-        pretraining = transformers.BertForPreTraining(hf_config)
-    assert sum(p.numel() for p in backbone.parameters()) == BERT_PARAMETERS[preset]
-    assert sum(p.numel() for p in pretraining.parameters()) == BERT_PRETRAINING_PARAMETERS[preset]
 
 
 # ---- The model contract --------------------------------------------------
@@ -334,29 +326,14 @@ def test_task_model_keras_file_round_trip(tmp_path, task):
 
 @pytest.mark.parametrize(
     "overrides, message",
-    [
-        ({"hidden_dim": 10, "num_heads": 4}, r"divisible.*hidden_dim=10, num_heads=4"),
-        ({"num_layers": 0}, r"num_layers=0"),
-        ({"num_segments": 0}, r"num_segments=0"),
-        ({"vocabulary_size": 2.5}, r"vocabulary_size=2.5"),
-        ({"dropout": -0.1}, r"dropout=-0.1"),
-        ({"activation": "swish"}, r"activation='swish'"),
-        ({"norm_first": 1}, r"norm_first=1"),
-        ({"layer_norm_epsilon": 0}, r"layer_norm_epsilon=0"),
-    ],
+    BAD_COMMON_FIELDS + [({"num_segments": 0}, r"num_segments=0")],
 )
 def test_bad_config_raises(overrides, message):
-    with pytest.raises(ValueError, match=message):
-        Bert(**tiny_config(**overrides))
-    with pytest.raises(ValueError, match=message):
-        BertConfig(**{**dataclasses.asdict(BertConfig()), **overrides})
+    check_bad_config(Bert, tiny_config(), overrides, message)
 
 
 def test_unknown_preset_and_field_raise():
-    with pytest.raises(ValueError, match=r"preset='bert-huge'"):
-        BertConfig.from_preset("bert-huge")
-    with pytest.raises(ValueError, match=r"embedding_dim"):
-        BertConfig.from_preset("bert-base", embedding_dim=128)
+    check_unknown_preset_and_field(BertConfig, "bert-base", "embedding_dim")
 
 
 def test_unknown_input_key_raises():

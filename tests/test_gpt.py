@@ -1,15 +1,19 @@
 """GPT model: NumPy oracles, causality, parameter counts, saving, errors."""
 
-import dataclasses
 import math
 import sys
 
-import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
-from tests.model_contract import check_presets, run_model_contract
+from tests.model_contract import (
+    BAD_COMMON_FIELDS,
+    check_bad_config,
+    check_presets,
+    check_unknown_preset_and_field,
+    fast_then_slow,
+    run_model_contract,
+)
 from tfgpt import GPT, GPTConfig
 from tfgpt.config import FAMILIES
 from tfgpt.layers import CausalSelfAttention, TransformerBlock
@@ -184,13 +188,7 @@ GPT2_PARAMETERS = {
 
 
 @pytest.mark.parametrize(
-    "preset",
-    [
-        "gpt2-small",
-        "gpt2-medium",
-        pytest.param("gpt2-large", marks=pytest.mark.slow),
-        pytest.param("gpt2-xl", marks=pytest.mark.slow),
-    ],
+    "preset", fast_then_slow(["gpt2-small", "gpt2-medium"], ["gpt2-large", "gpt2-xl"])
 )
 def test_gpt2_parameter_counts(preset):
     # In a child process: GPT-2 XL's float32 weights alone are 6.2 GB, and
@@ -255,31 +253,14 @@ def test_presets_have_every_field():
 
 @pytest.mark.parametrize(
     "overrides, message",
-    [
-        ({"hidden_dim": 10, "num_heads": 4}, r"divisible.*hidden_dim=10, num_heads=4"),
-        ({"num_layers": 0}, r"num_layers=0"),
-        ({"vocabulary_size": 2.5}, r"vocabulary_size=2.5"),
-        ({"dropout": 1.0}, r"dropout=1.0"),
-        ({"activation": "swish"}, r"activation='swish'"),
-        ({"norm_first": "yes"}, r"norm_first='yes'"),
-        ({"tie_embeddings": 1}, r"tie_embeddings=1"),
-        ({"dropout": "0.1"}, r"dropout='0.1'"),
-        ({"layer_norm_epsilon": 0.0}, r"must be positive.*layer_norm_epsilon=0.0"),
-        ({"layer_norm_epsilon": "small"}, r"layer_norm_epsilon='small'"),
-    ],
+    BAD_COMMON_FIELDS + [({"tie_embeddings": 1}, r"tie_embeddings=1")],
 )
 def test_bad_config_raises(overrides, message):
-    with pytest.raises(ValueError, match=message):
-        tiny_model(**overrides)
-    with pytest.raises(ValueError, match=message):
-        GPTConfig(**{**dataclasses.asdict(GPTConfig()), **overrides})
+    check_bad_config(GPT, tiny_config(), overrides, message)
 
 
 def test_unknown_preset_and_field_raise():
-    with pytest.raises(ValueError, match=r"preset='gpt5'"):
-        GPTConfig.from_preset("gpt5")
-    with pytest.raises(ValueError, match=r"hidden_size"):
-        GPTConfig.from_preset("gpt-demo", hidden_size=3)
+    check_unknown_preset_and_field(GPTConfig, "gpt-demo", "hidden_size")
 
 
 def test_sequence_longer_than_position_table_raises():

@@ -252,7 +252,8 @@ class Family:
         config_class: type. The family's config dataclass.
         presets: dict. Preset name -> config fields.
         tasks: tuple of str. Pretraining tasks this family trains; the first
-            is what `--task auto` picks.
+            is what `--task auto` picks, and the part after its `+` the
+            family's sentence-pair task (`pair_task`).
         backbone: str. `"module:Class"` of the backbone (for GPT, the model).
         pretraining_model: str. `"module:Class"` of the backbone with its
             pretraining heads.

@@ -61,10 +61,7 @@ class CausalSelfAttention(SelfAttentionBase):
     prefix.
 
     Args:
-        hidden_dim: int. Input and output width; must be divisible by
-            `num_heads`.
-        num_heads: int. Number of attention heads.
-        dropout: float. Dropout rate on the attention probabilities.
+        hidden_dim, num_heads, dropout: those of `SelfAttentionBase`.
 
     Example:
     >>> layer = CausalSelfAttention(hidden_dim=8, num_heads=2)
