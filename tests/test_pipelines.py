@@ -830,9 +830,12 @@ def test_help_explains_every_flag_with_its_choices_and_default():
         cli.parse_size(parser.get_default("tokenizer_sample_bytes"))
         == prepare.DEFAULT_TOKENIZER_SAMPLE_BYTES
     )
-    # The usage examples stay on their own lines (the description is not re-wrapped).
+    # The package docstring's examples, on their own lines (not re-wrapped), and
+    # its inputs paragraph are the description; the steps are left to pydoc.
     text = parser.format_help()
     assert "\n    python -m pipelines.prepare --output data/default --seq-len 128" in text
+    assert "\nInputs (`--input`, repeatable;" in text
+    assert "Steps" not in text and "python -m pydoc pipelines.prepare" in text
 
 
 @pytest.mark.parametrize("size", [1, 1000, 64 << 10, 3 << 20, 1 << 30, 5 << 40, (1 << 30) + 1])
@@ -842,13 +845,14 @@ def test_format_size_reads_back(size):
     assert len(text) <= len(str(size))
 
 
-def test_help_imports_no_tensorflow():
-    """The CLI, and every module of `pipelines` but the readers, import no TensorFlow."""
+def test_help_and_a_sentencepiece_run_import_no_tensorflow(corpus, tmp_path):
+    """`--help`, every module of `pipelines` but the readers, and a BPE run: no TensorFlow."""
     script = textwrap.dedent("""
         import contextlib, io, runpy, sys
         import pipelines, pipelines.default_corpus, pipelines.files, pipelines.manifest
         import pipelines.sources, pipelines.tfrecord, pipelines.tokenizer
         import pipelines.wordpiece_tokenizer
+        run_flags = sys.argv[1:]
         sys.argv = ["pipelines.prepare", "--help"]
         output = io.StringIO()
         with contextlib.redirect_stdout(output):
@@ -857,15 +861,22 @@ def test_help_imports_no_tensorflow():
             except SystemExit as exit:
                 assert exit.code == 0, exit.code
         assert output.getvalue().startswith("usage: python -m pipelines.prepare"), output.getvalue()
-        print(sorted(name for name in sys.modules if name.split(".")[0] == "tensorflow"))
+        loaded = [name for name in sys.modules if name.split(".")[0] == "tensorflow"]
+        from pipelines import prepare
+        assert prepare.main(run_flags) == 0
+        loaded += [name for name in sys.modules if name.split(".")[0] == "tensorflow"]
+        print(sorted(loaded))
         """)
-    completed = subprocess.run(
-        [sys.executable, "-c", script], cwd=REPOSITORY, capture_output=True, text=True
-    )
+    argv = [sys.executable, "-c", script, "--output", str(tmp_path / "out"), "--workers", "2"]
+    argv += ["--seq-len", str(SEQ_LEN), "--vocab-size", str(VOCABULARY_SIZE)]
+    for path in corpus["inputs"]:
+        argv += ["--input", path]
+    completed = subprocess.run(argv, cwd=REPOSITORY, capture_output=True, text=True)
     assert completed.returncode == 0, completed.stderr
     assert completed.stdout.strip() == "[]"
-    assert completed.stderr == ""  # Not a TensorFlow log line.
-    # And the command itself, as users run it.
+    assert "tensorflow" not in completed.stderr.lower()  # No TensorFlow log line.
+    assert os.path.exists(tmp_path / "out" / "manifest.json")
+    # And `--help` itself, as users run it: nothing on stderr.
     completed = subprocess.run(
         [sys.executable, "-m", "pipelines.prepare", "--help"],
         cwd=REPOSITORY,

@@ -16,29 +16,34 @@ Lines with a string `text` field (`--text-key`), the Pile's `.jsonl.zst`
 the built-in corpus of `pipelines.default_corpus`. Whitespace-only
 documents are skipped and counted.
 
-Steps:
+Steps (the module of each in parentheses):
 
-1. Plan (`pipelines.sources`): the inputs are cut into chunks of about `--chunk-size` bytes
-   (default: twice `--shard-size`, at least 64 MiB). A chunk is the unit of
-   parallel work and of resuming; chunking depends only on the inputs.
+1. Plan (`pipelines.sources`): the inputs are cut into chunks of about
+   `--chunk-size` bytes (default: twice `--shard-size`, at least 64 MiB). A
+   chunk is the unit of parallel work and of resuming; chunking depends only
+   on the inputs.
 2. Scan (`scan`, parallel over chunks): hash every document to choose the
    validation documents and the tokenizer's training sample.
-3. Tokenizer (`tokenizer_training`): train SentencePiece BPE or unigram (byte fallback, see
-   `pipelines.tokenizer`: pad=0, unk=1, eos=2, no bos; with `--format
-   encoder` also [CLS]=3, [SEP]=4, [MASK]=5) or WordPiece
+3. Tokenizer (`tokenizer_training`): train SentencePiece BPE or unigram
+   (byte fallback, see `pipelines.tokenizer`: pad=0, unk=1, eos=2, no bos;
+   with `--format encoder` also [CLS]=3, [SEP]=4, [MASK]=5) or WordPiece
    (`pipelines.wordpiece_tokenizer`, same special ids) on a sample of at most
    `--tokenizer-sample-bytes` (default 64 MiB) of training documents: the
    documents with the smallest keyed hashes that fit the budget, a uniform
    sample independent of input order. Or reuse `--tokenizer` (a model file,
    a `vocab.txt` or a directory holding one, e.g. an earlier data directory).
 4. Encode and write (`encoding`, `shard_writer`; parallel over chunks,
-   `--workers` processes): each
-   chunk's documents are encoded in batches and written to that chunk's own
-   shards, rolled at `--shard-size` bytes (uncompressed). A split therefore
-   has at least one shard per chunk: validation shards hold about
-   `--val-fraction` of a chunk each.
-5. Commit (`commit`): the shards are renamed to `{split}-{index:05d}-of-{count:05d}.tfrecord`
-   in chunk order, and `manifest.json` is written last.
+   `--workers` processes): each chunk's documents are encoded in batches and
+   written to that chunk's own shards, rolled at `--shard-size` bytes
+   (uncompressed). A split therefore has at least one shard per chunk:
+   validation shards hold about `--val-fraction` of a chunk each.
+5. Commit (`commit`): the shards are renamed to
+   `{split}-{index:05d}-of-{count:05d}.tfrecord` in chunk order, and
+   `manifest.json` is written last.
+
+`run.prepare()` runs the steps in order; `resume` holds the state file and
+the lock, `progress` the progress line, `cli` the flags
+(`python -m pipelines.prepare` runs `cli.main`).
 
 Record formats (`--format`):
 
@@ -97,15 +102,10 @@ Progress: one line on stderr per phase, redrawn in place on a terminal (or
 every 10 s otherwise): documents, MB of text, MB/s, percentage and ETA.
 
 `manifest.json`: its keys, the record formats and the file names are
-`pipelines.manifest`'s, which the readers share.
-
-Modules: `run` (`prepare()`, the steps in order), the steps' modules above,
-`resume` (the state file and the lock), `progress`, and `cli` (the flags;
-`python -m pipelines.prepare` runs `cli.main`).
+defined once, in `pipelines.manifest`, for this writer and the readers.
 
 Errors are reported as one line `error: ...` on stderr with exit status 2.
 """
-
 
 from pipelines.prepare.cli import COMPRESSIONS, main, parse_size
 from pipelines.prepare.encoding import ENCODE_BATCH_BYTES, MEMORY_BOUND_MB, WorkerDied

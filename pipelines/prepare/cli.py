@@ -72,11 +72,11 @@ def format_size(size: int) -> str:
 
 
 def _description() -> str:
-    """The package docstring up to its "Steps:": what the command does, usage, inputs."""
+    """The package docstring up to its steps: what the command does, examples, inputs."""
     import pipelines.prepare
 
     docstring = pipelines.prepare.__doc__ or ""
-    return docstring.split("\nSteps:\n")[0].strip()
+    return docstring.split("\nSteps")[0].strip()
 
 
 def build_argument_parser() -> argparse.ArgumentParser:
