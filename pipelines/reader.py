@@ -125,26 +125,21 @@ def _split_shards(manifest: Manifest, split: str, data_dir: str) -> List[Shard]:
     return shards
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_positive_int(name: str, value) -> None:
+    if not _is_int(value) or value < 1:
+        raise ValueError(f"`{name}` must be a positive int. Received: {name}={value!r}")
+
+
 def _validate_workers(num_workers: int, worker_index: int) -> None:
-    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
-        raise ValueError(
-            f"`num_shards` must be a positive int. Received: num_shards={num_workers!r}"
-        )
-    if (
-        isinstance(worker_index, bool)
-        or not isinstance(worker_index, int)
-        or not 0 <= worker_index < num_workers
-    ):
+    _check_positive_int("num_shards", num_workers)
+    if not _is_int(worker_index) or not 0 <= worker_index < num_workers:
         raise ValueError(
             "`shard_index` must be an int in [0, num_shards). "
             f"Received: shard_index={worker_index!r}, num_shards={num_workers}"
-        )
-
-
-def _validate_batch_size(batch_size: int) -> None:
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(
-            f"`batch_size` must be a positive int. Received: batch_size={batch_size!r}"
         )
 
 
@@ -206,7 +201,7 @@ def steps_per_epoch(data_dir: str, split: str, batch_size: int, num_workers: int
     Returns:
         int. At least 1.
     """
-    _validate_batch_size(batch_size)
+    _check_positive_int("batch_size", batch_size)
     counts = records_per_worker(load_manifest(data_dir), split, num_workers)
     steps = min(counts) // batch_size
     if steps < 1:
@@ -247,34 +242,30 @@ def _check_shard_files(
     locate_records: bool = False,
 ) -> None:
     """Raise DataError naming the first missing, resized or (optionally) altered shard."""
+
+    def where(path):
+        if not locate_records:
+            return ""
+        return f"; reading fails at {first_unreadable_record(path, compression)}"
+
     for shard in shards:
         path = os.path.join(data_dir, shard["filename"])
         if not tf.io.gfile.exists(path):
             raise DataError(f"{path}: shard listed in {MANIFEST_FILENAME} is missing")
         size = tf.io.gfile.stat(path).length
         if size != shard["bytes"]:
-            where = (
-                f"; reading fails at {first_unreadable_record(path, compression)}"
-                if locate_records
-                else ""
-            )
             raise DataError(
                 f"{path}: shard is corrupted or truncated: {size} bytes on disk, "
-                f"{shard['bytes']} in {MANIFEST_FILENAME}{where}"
+                f"{shard['bytes']} in {MANIFEST_FILENAME}{where(path)}"
             )
     if verify_checksums:
         for shard in shards:
             path = os.path.join(data_dir, shard["filename"])
             digest = _sha256(path)
             if digest != shard["sha256"]:
-                where = (
-                    f"; reading fails at {first_unreadable_record(path, compression)}"
-                    if locate_records
-                    else ""
-                )
                 raise DataError(
                     f"{path}: shard is corrupted: sha256 {digest} does not "
-                    f"match {shard['sha256']} in {MANIFEST_FILENAME}{where}"
+                    f"match {shard['sha256']} in {MANIFEST_FILENAME}{where(path)}"
                 )
 
 
@@ -306,15 +297,8 @@ def verify_shards(data_dir: str, split: Optional[str] = None) -> None:
 
 def _validate_common(num_shards, shard_index, batch_size, shuffle_buffer) -> None:
     _validate_workers(num_shards, shard_index)
-    _validate_batch_size(batch_size)
-    if (
-        isinstance(shuffle_buffer, bool)
-        or not isinstance(shuffle_buffer, int)
-        or shuffle_buffer < 1
-    ):
-        raise ValueError(
-            f"`shuffle_buffer` must be a positive int. Received: shuffle_buffer={shuffle_buffer!r}"
-        )
+    _check_positive_int("batch_size", batch_size)
+    _check_positive_int("shuffle_buffer", shuffle_buffer)
 
 
 def _check_format(manifest: Manifest, data_dir: str, expected: str, function: str) -> None:
