@@ -16,6 +16,23 @@ import pytest
 
 from tfgpt.models.encoder_pretraining_model import EncoderPretrainingModel
 
+# Tiny sizes the families' tests share, distinct so that no two dimensions
+# can be confused for each other.
+VOCAB, LAYERS, HEADS, HIDDEN, INTERMEDIATE, MAX_LENGTH = 37, 3, 3, 12, 20, 16
+
+
+def tiny_fields(**overrides):
+    """The shared fields of a tiny model of any family, `overrides` on top."""
+    sizes = dict(
+        vocabulary_size=VOCAB,
+        num_layers=LAYERS,
+        num_heads=HEADS,
+        hidden_dim=HIDDEN,
+        intermediate_dim=INTERMEDIATE,
+        max_sequence_length=MAX_LENGTH,
+    )
+    return {**sizes, **overrides}
+
 
 def output_shapes(outputs):
     return keras.tree.map_structure(lambda tensor: tuple(tensor.shape), outputs)
@@ -108,7 +125,8 @@ def run_encoder_contract(cls, config, inputs, tmp_path, parameter_count, **optio
     if issubclass(cls, EncoderPretrainingModel):
         logits = ("mlm_logits", f"{cls.pair_task}_logits")
         positions = inputs["mask_positions"].shape[1]
-        shapes.update({logits[0]: (batch, positions, config.vocabulary_size), logits[1]: (batch, 2)})
+        shapes[logits[0]] = (batch, positions, config.vocabulary_size)
+        shapes[logits[1]] = (batch, 2)
     return run_model_contract(
         cls,
         config,
@@ -121,12 +139,21 @@ def run_encoder_contract(cls, config, inputs, tmp_path, parameter_count, **optio
     )
 
 
-def check_presets(family):
-    """Every preset of `family` lists every config field and builds its config."""
-    names = {field.name for field in dataclasses.fields(family.config_class)}
+def check_presets(family, unknown_field):
+    """Every preset of `family` lists every config field and builds its
+    config; a preset builds a model with an override; an unknown preset, or
+    a field of the config it does not have (`unknown_field`), raises."""
+    config_class = family.config_class
+    names = {field.name for field in dataclasses.fields(config_class)}
     for name, preset in family.presets.items():
         assert set(preset) == names, name
-        assert dataclasses.asdict(family.config_class.from_preset(name)) == preset
+        assert dataclasses.asdict(config_class.from_preset(name)) == preset
+    smallest = min(family.presets, key=lambda name: family.presets[name]["hidden_dim"])
+    assert family.pretraining_class().from_preset(smallest, num_layers=2).config.num_layers == 2
+    with pytest.raises(ValueError, match=r"preset='no-such-model'"):
+        config_class.from_preset("no-such-model")
+    with pytest.raises(ValueError, match=rf"Unknown {config_class.__name__} .*{unknown_field}"):
+        config_class.from_preset(smallest, **{unknown_field: 3})
 
 
 # ---- Errors -----------------------------------------------------------------
@@ -154,13 +181,6 @@ def check_bad_config(cls, fields, overrides, message):
         cls(**{**fields, **overrides})
     with pytest.raises(ValueError, match=message):
         cls.config_class(**{**dataclasses.asdict(cls.config_class()), **overrides})
-
-
-def check_unknown_preset_and_field(config_class, preset, unknown_field):
-    with pytest.raises(ValueError, match=r"preset='no-such-model'"):
-        config_class.from_preset("no-such-model")
-    with pytest.raises(ValueError, match=rf"Unknown {config_class.__name__} .*{unknown_field}"):
-        config_class.from_preset(preset, **{unknown_field: 3})
 
 
 # ---- Published parameter counts ---------------------------------------------

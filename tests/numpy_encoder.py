@@ -9,6 +9,7 @@ shows as a mismatch.
 import math
 
 import numpy as np
+from numpy.testing import assert_allclose
 
 _erf = np.vectorize(math.erf)
 
@@ -105,3 +106,26 @@ def masked_lm(x, head, token_embedding):
 
 def classifier(pooled, head):
     return dense(pooled, head.classifier)
+
+
+def check_pretraining_model(model, inputs, backbone_reference):
+    """Asserts that a `Bert` or `Albert` computes what the reference does.
+
+    `backbone_reference` is `bert_backbone` or `albert_backbone`. Sequence,
+    pooled and sentence-pair outputs within 1e-4, masked-LM logits (a sum
+    over the embedding width) within 1e-3.
+    """
+    outputs = model(inputs)
+    sequence, pooled = backbone_reference(
+        inputs["token_ids"], inputs["segment_ids"], inputs["padding_mask"], model.backbone
+    )
+    table = model.backbone.token_embedding.numpy()
+    assert_allclose(outputs["sequence_output"].numpy(), sequence, atol=1e-4)
+    assert_allclose(outputs["pooled_output"].numpy(), pooled, atol=1e-4)
+    assert_allclose(
+        outputs["mlm_logits"].numpy(), masked_lm(sequence, model.masked_lm_head, table), atol=1e-3
+    )
+    pair_head = getattr(model, model.pair_head_name)
+    assert_allclose(
+        outputs[f"{model.pair_task}_logits"].numpy(), classifier(pooled, pair_head), atol=1e-4
+    )

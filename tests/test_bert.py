@@ -7,36 +7,19 @@ import pytest
 import tensorflow as tf
 
 from tests import numpy_encoder as ref
-from tests.model_contract import (
-    BAD_COMMON_FIELDS,
-    check_bad_config,
-    check_encoder_parameter_counts,
-    check_presets,
-    check_transformers_parameter_counts,
-    check_unknown_preset_and_field,
-    fast_then_slow,
-    run_encoder_contract,
-)
+from tests import model_contract as contract
 from tfgpt import Bert, BertBackbone, BertConfig, SequenceClassifier, SpanQuestionAnswerer
 from tfgpt.config import FAMILIES
 from tfgpt.layers import ClassificationHead, SelfAttention, TransformerBlock
 
 # Distinct sizes so that no two dimensions can be confused for each other.
-BATCH, LENGTH, HIDDEN, HEADS, INTERMEDIATE, VOCAB, LAYERS, MAX_LENGTH = 2, 7, 12, 3, 20, 37, 3, 16
+BATCH, LENGTH = 2, 7
+VOCAB, LAYERS, HEADS = contract.VOCAB, contract.LAYERS, contract.HEADS
+HIDDEN, INTERMEDIATE = contract.HIDDEN, contract.INTERMEDIATE
 
 
 def tiny_config(**overrides):
-    config = dict(
-        vocabulary_size=VOCAB,
-        num_layers=LAYERS,
-        num_heads=HEADS,
-        hidden_dim=HIDDEN,
-        intermediate_dim=INTERMEDIATE,
-        max_sequence_length=MAX_LENGTH,
-        dropout=0.0,
-    )
-    config.update(overrides)
-    return config
+    return contract.tiny_fields(**{"dropout": 0.0, **overrides})
 
 
 def tiny_inputs(seed=0, length=LENGTH):
@@ -89,24 +72,7 @@ def test_encoder_block_matches_numpy_reference(norm_first, activation):
 def test_bert_matches_numpy_reference(norm_first):
     model = Bert(**tiny_config(norm_first=norm_first))
     ref.randomize(model, seed=5)
-    inputs = tiny_inputs()
-    outputs = model(inputs)
-    sequence, pooled = ref.bert_backbone(
-        inputs["token_ids"], inputs["segment_ids"], inputs["padding_mask"], model.backbone
-    )
-    table = model.backbone.token_embedding.numpy()
-    np.testing.assert_allclose(outputs["sequence_output"].numpy(), sequence, atol=1e-4)
-    np.testing.assert_allclose(outputs["pooled_output"].numpy(), pooled, atol=1e-4)
-    np.testing.assert_allclose(
-        outputs["mlm_logits"].numpy(),
-        ref.masked_lm(sequence, model.masked_lm_head, table),
-        atol=1e-3,
-    )
-    np.testing.assert_allclose(
-        outputs["nsp_logits"].numpy(),
-        ref.classifier(pooled, model.next_sentence_head),
-        atol=1e-4,
-    )
+    ref.check_pretraining_model(model, tiny_inputs(), ref.bert_backbone)
 
 
 def test_mask_positions_select_rows_of_the_full_logits():
@@ -247,9 +213,9 @@ BERT_PARAMETERS = {"bert-base": 109_482_240, "bert-large": 335_141_888}
 BERT_PRETRAINING_PARAMETERS = {"bert-base": 110_106_428, "bert-large": 336_226_108}
 
 
-@pytest.mark.parametrize("preset", fast_then_slow(["bert-base"], ["bert-large"]))
+@pytest.mark.parametrize("preset", contract.fast_then_slow(["bert-base"], ["bert-large"]))
 def test_bert_parameter_counts(preset):
-    check_encoder_parameter_counts(
+    contract.check_encoder_parameter_counts(
         Bert,
         preset,
         BERT_PARAMETERS[preset],
@@ -261,7 +227,7 @@ def test_bert_parameter_counts(preset):
 
 @pytest.mark.parametrize("preset", ["bert-base", "bert-large"])
 def test_bert_parameter_counts_equal_transformers(preset):
-    check_transformers_parameter_counts(
+    contract.check_transformers_parameter_counts(
         "Bert",
         BertConfig.from_preset(preset),
         BERT_PARAMETERS[preset],
@@ -285,7 +251,7 @@ def test_model_contract(tmp_path, cls, overrides):
     config = BertConfig(**tiny_config(layer_norm_epsilon=1e-6, **overrides))
     pretraining = cls is Bert
     positions = {"mask_positions": np.array([[1, 2], [0, 4]], "int32")}
-    run_encoder_contract(
+    contract.run_encoder_contract(
         cls,
         config,
         {**tiny_inputs(), **(positions if pretraining else {})},
@@ -296,10 +262,8 @@ def test_model_contract(tmp_path, cls, overrides):
     )
 
 
-def test_presets_build_from_the_config_dataclass():
-    check_presets(FAMILIES["bert"])
-    model = Bert.from_preset("bert-demo", num_layers=2)
-    assert model.backbone.num_layers == 2
+def test_presets():
+    contract.check_presets(FAMILIES["bert"], unknown_field="embedding_dim")
 
 
 @pytest.mark.parametrize("task", ["classification", "question_answering"])
@@ -326,14 +290,10 @@ def test_task_model_keras_file_round_trip(tmp_path, task):
 
 @pytest.mark.parametrize(
     "overrides, message",
-    BAD_COMMON_FIELDS + [({"num_segments": 0}, r"num_segments=0")],
+    contract.BAD_COMMON_FIELDS + [({"num_segments": 0}, r"num_segments=0")],
 )
 def test_bad_config_raises(overrides, message):
-    check_bad_config(Bert, tiny_config(), overrides, message)
-
-
-def test_unknown_preset_and_field_raise():
-    check_unknown_preset_and_field(BertConfig, "bert-base", "embedding_dim")
+    contract.check_bad_config(Bert, tiny_config(), overrides, message)
 
 
 def test_unknown_input_key_raises():

@@ -6,32 +6,16 @@ import sys
 import numpy as np
 import pytest
 
-from tests.model_contract import (
-    BAD_COMMON_FIELDS,
-    check_bad_config,
-    check_presets,
-    check_unknown_preset_and_field,
-    fast_then_slow,
-    run_model_contract,
-)
+from tests import model_contract as contract
 from tfgpt import GPT, GPTConfig
 from tfgpt.config import FAMILIES
 from tfgpt.layers import CausalSelfAttention, TransformerBlock
 
 # Distinct sizes so that no two dimensions can be confused for each other.
-BATCH, LENGTH, HIDDEN, HEADS, INTERMEDIATE, VOCAB, LAYERS = 2, 5, 12, 3, 20, 37, 3
-
-
-def tiny_config(**overrides):
-    config = dict(
-        vocabulary_size=VOCAB,
-        num_layers=LAYERS,
-        num_heads=HEADS,
-        hidden_dim=HIDDEN,
-        intermediate_dim=INTERMEDIATE,
-        max_sequence_length=16,
-    )
-    return {**config, **overrides}
+BATCH, LENGTH = 2, 5
+VOCAB, LAYERS, HEADS = contract.VOCAB, contract.LAYERS, contract.HEADS
+HIDDEN, INTERMEDIATE = contract.HIDDEN, contract.INTERMEDIATE
+tiny_config = contract.tiny_fields
 
 
 def tiny_model(**overrides):
@@ -188,7 +172,7 @@ GPT2_PARAMETERS = {
 
 
 @pytest.mark.parametrize(
-    "preset", fast_then_slow(["gpt2-small", "gpt2-medium"], ["gpt2-large", "gpt2-xl"])
+    "preset", contract.fast_then_slow(["gpt2-small", "gpt2-medium"], ["gpt2-large", "gpt2-xl"])
 )
 def test_gpt2_parameter_counts(preset):
     # In a child process: GPT-2 XL's float32 weights alone are 6.2 GB, and
@@ -232,7 +216,7 @@ def test_parameter_formula_gives_the_published_counts():
 )
 def test_model_contract(tmp_path, overrides):
     config = GPTConfig(**tiny_config(layer_norm_epsilon=1e-6, **overrides))
-    run_model_contract(
+    contract.run_model_contract(
         GPT,
         config,
         random_ids(),
@@ -243,9 +227,8 @@ def test_model_contract(tmp_path, overrides):
     )
 
 
-def test_presets_have_every_field():
-    check_presets(FAMILIES["gpt"])
-    assert GPT.from_preset("gpt-demo", num_layers=2).num_layers == 2
+def test_presets():
+    contract.check_presets(FAMILIES["gpt"], unknown_field="embedding_dim")
 
 
 # ---- Bad input ----------------------------------------------------------
@@ -253,14 +236,10 @@ def test_presets_have_every_field():
 
 @pytest.mark.parametrize(
     "overrides, message",
-    BAD_COMMON_FIELDS + [({"tie_embeddings": 1}, r"tie_embeddings=1")],
+    contract.BAD_COMMON_FIELDS + [({"tie_embeddings": 1}, r"tie_embeddings=1")],
 )
 def test_bad_config_raises(overrides, message):
-    check_bad_config(GPT, tiny_config(), overrides, message)
-
-
-def test_unknown_preset_and_field_raise():
-    check_unknown_preset_and_field(GPTConfig, "gpt-demo", "hidden_size")
+    contract.check_bad_config(GPT, tiny_config(), overrides, message)
 
 
 def test_sequence_longer_than_position_table_raises():
