@@ -1,7 +1,9 @@
 """Starting real worker processes from tests, with a bound on their time."""
 
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -53,3 +55,41 @@ def horovodrun(num_workers, *command, timeout=TIMEOUT_SECONDS, env=None):
         timeout=timeout,
         env=env,
     )
+
+
+def free_ports(count):
+    """`count` localhost ports that were free a moment ago."""
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("localhost", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def multi_worker(count, *command, timeout=TIMEOUT_SECONDS):
+    """Runs `python command...` as `count` MultiWorkerMirrored workers on localhost.
+
+    Each worker gets its index in `TF_CONFIG`; all of them are killed on
+    timeout or failure. Returns `[(returncode, output)]` in worker order.
+    """
+    cluster = {"worker": [f"localhost:{port}" for port in free_ports(count)]}
+    processes = []
+    for index in range(count):
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(REPO),
+                   TF_CONFIG=json.dumps({"cluster": cluster,
+                                         "task": {"type": "worker", "index": index}}))
+        processes.append(subprocess.Popen(
+            [sys.executable, *map(str, command)], env=env, cwd=REPO, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        ))
+    outputs = []
+    try:
+        for process in processes:
+            outputs.append(process.communicate(timeout=timeout)[0])
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+    return [(process.returncode, output) for process, output in zip(processes, outputs)]

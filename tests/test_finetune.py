@@ -6,18 +6,15 @@ trainer's checkpoint layout and the tokenizer it copied.
 """
 
 import json
-import os
 import random
 import re
 import shutil
-import signal
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from tests.launch import REPO, horovodrun, run
+from tests.launch import REPO, horovodrun, multi_worker, run
 
 TINY_BERT = ["--preset", "bert-demo", "--num-layers", "2", "--hidden-dim", "32",
              "--num-heads", "2", "--intermediate-dim", "48", "--max-sequence-length", "48"]
@@ -342,32 +339,12 @@ def test_two_multi_worker_mirrored_workers_split_training_and_evaluation(
     encoder_run, sst2, tmp_path
 ):
     """Collective checkpoints and the gathered predictions under MultiWorkerMirrored."""
-    from tests.test_train_mirrored import _free_ports
-
-    cluster = {"worker": [f"localhost:{port}" for port in _free_ports(2)]}
     script = REPO / "tests" / "worker_scripts" / "finetune_and_dump.py"
     flags = _front_end_flags(encoder_run, sst2, tmp_path / "run", 4)
-    processes = []
-    for index in range(2):
-        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(REPO),
-                   TF_CONFIG=json.dumps({"cluster": cluster,
-                                         "task": {"type": "worker", "index": index}}))
-        processes.append(subprocess.Popen(
-            [sys.executable, script, "mirrored", tmp_path, "--strategy", "multi-worker",
-             *map(str, flags)],
-            env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            start_new_session=True,
-        ))
-    outputs = []
-    try:
-        for process in processes:
-            outputs.append(process.communicate(timeout=300)[0])
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
-    for process, output in zip(processes, outputs):
-        assert process.returncode == 0, output
+    results = multi_worker(2, script, "mirrored", tmp_path, "--strategy", "multi-worker", *flags)
+    for code, output in results:
+        assert code == 0, output
+    outputs = [output for _, output in results]
     assert "2 worker(s), 2 replica(s)" in outputs[0]
     workers = [np.load(tmp_path / f"rank-{index}.npz") for index in (0, 1)]
     for key in workers[0].files:

@@ -1,16 +1,12 @@
 """train_mirrored.py, and the same numbers from every front end."""
 
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from tests.launch import REPO, horovodrun, run
+from tests.launch import REPO, horovodrun, multi_worker, run
 from tests.synthetic import pattern_corpus
 from tests.test_train_hvd import TINY_MODEL, _checkpoint_tensors, _train_losses
 
@@ -65,41 +61,14 @@ def test_single_process_horovod_and_mirrored_give_the_same_losses(one_file_data,
     assert single[6] < single[1] - 0.1  # the steps did something
 
 
-def _free_ports(count):
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("localhost", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
 def test_two_multi_worker_mirrored_workers_end_with_identical_weights(one_file_data, tmp_path):
-    ports = _free_ports(2)
-    cluster = {"worker": [f"localhost:{port}" for port in ports]}
     script = REPO / "tests" / "worker_scripts" / "mirrored_train_and_dump.py"
-    environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(REPO))
-    processes = []
-    for index in range(2):
-        env = dict(environment, TF_CONFIG=json.dumps({"cluster": cluster,
-                                                      "task": {"type": "worker", "index": index}}))
-        flags = _flags(one_file_data, tmp_path / "run", 4, "--strategy", "multi-worker")
-        flags[flags.index("--no-shuffle")] = "--shuffle"
-        processes.append(subprocess.Popen(
-            [sys.executable, script, tmp_path, *map(str, flags)], env=env, cwd=REPO,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        ))
-    outputs = []
-    try:
-        for process in processes:
-            outputs.append(process.communicate(timeout=300)[0])
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
-    for process, output in zip(processes, outputs):
-        assert process.returncode == 0, output
+    flags = _flags(one_file_data, tmp_path / "run", 4, "--strategy", "multi-worker")
+    flags[flags.index("--no-shuffle")] = "--shuffle"
+    results = multi_worker(2, script, tmp_path, *flags)
+    for code, output in results:
+        assert code == 0, output
+    outputs = [output for _, output in results]
     workers = [np.load(tmp_path / f"worker-{index}.npz") for index in (0, 1)]
     assert len(workers[0].files) > 10
     for key in workers[0].files:

@@ -7,7 +7,7 @@ from tfgpt.config.finetuning import FinetuneConfig
 from tfgpt.config.models import ENCODER_FAMILIES, FAMILIES, family_of_preset
 from tfgpt.training.flags import parse_config_flags, require_model_fields
 
-ENCODER_CONFIGS = tuple(FAMILIES[name].config_class for name in ENCODER_FAMILIES)
+ENCODER_CONFIG_CLASSES = tuple(FAMILIES[name].config_class for name in ENCODER_FAMILIES)
 
 
 def _check_random_model(config, model_overrides):
@@ -38,7 +38,7 @@ def parse_flags(argv=None, description="Fine-tune an encoder.", options_class=No
         FinetuneConfig,
         (
             "model (a random --preset; only --dropout with --init)",
-            ENCODER_CONFIGS,
+            ENCODER_CONFIG_CLASSES,
             ("max_sequence_length",),
             "the preset's value, or --init's",
         ),

@@ -22,7 +22,7 @@ from tfgpt.cli import HelpFormatter
 from tfgpt.config.models import ACTIVATIONS, FAMILIES, family_of_preset
 from tfgpt.config.training import TrainConfig
 
-MODEL_CONFIGS = tuple(family.config_class for family in FAMILIES.values())
+MODEL_CONFIG_CLASSES = tuple(family.config_class for family in FAMILIES.values())
 # Enumerated model fields (the model configs validate them).
 MODEL_CHOICES = {"activation": ACTIVATIONS}
 
@@ -246,7 +246,7 @@ def parse_flags(argv=None, description="Train a GPT, BERT or ALBERT.", options_c
         description,
         "%(prog)s --data DIR [--preset NAME] [options]",
         TrainConfig,
-        ("model (override the preset)", MODEL_CONFIGS, (), "the preset's value"),
+        ("model (override the preset)", MODEL_CONFIG_CLASSES, (), "the preset's value"),
         _check_pretraining_model,
         options_class,
     )
