@@ -1,9 +1,12 @@
 """What a data directory holds: `manifest.json`'s schema, record formats, file names.
 
 `python -m pipelines.prepare` writes a data directory; `pipelines.reader`
-and `pipelines.encoder_data` read it. Both sides take every format, field
-and file name from this module, so each is spelled once. Importing it
-imports no TensorFlow (nor anything outside the standard library).
+and `pipelines.encoder_data` read it. Both sides take the format names,
+features, versions and file names from this module, and its `Manifest`
+declares every key the writer writes (a test holds the writer to it), so
+each is spelled once. The tokenizer's file is named by its class
+(`pipelines.tokenizer`, `pipelines.wordpiece_tokenizer`). Importing this
+module imports nothing outside the standard library.
 
 A data directory:
 
@@ -43,7 +46,7 @@ SUPPORTED_FORMAT_VERSIONS = (1, 2)
 # The manifest's `compression`: TFRecord compression types as TensorFlow names them.
 COMPRESSIONS = (None, "GZIP")
 
-SHARD_FILENAME_PATTERN = re.compile(r"^(train|val)-\d{5}-of-\d{5}\.tfrecord$")
+SHARD_FILENAME_PATTERN = re.compile(rf"^({'|'.join(SPLITS)})-\d{{5}}-of-\d{{5}}\.tfrecord$")
 
 
 def shard_filename(split: str, index: int, count: int) -> str:

@@ -239,13 +239,8 @@ def encode_chunks(job, chunks, sources, state, workers, progress, log) -> dict:
             "(checksums verified); encoding the rest"
         )
     with ChunkRunner(job, min(workers, max(len(pending), 1))) as runner:
-        runner.counters.add(
-            0,
-            0,
-            sum(
-                chunk_input_bytes(sources, chunks[index]) for index in chunk_results
-            ),
-        )
+        finished_bytes = sum(chunk_input_bytes(sources, chunks[index]) for index in chunk_results)
+        runner.counters.add(0, 0, finished_bytes)
         for result in runner.run("encode", pending, progress):
             index = result["chunk"]
             chunk_results[index] = result
