@@ -3,22 +3,11 @@
 import keras
 
 from tfgpt.layers.classification_head import ClassificationHead
-from tfgpt.models.encoder_backbone import EncoderBackbone
-from tfgpt.models.encoder_inputs import pack_encoder_inputs, unpack_encoder_inputs
-
-
-def check_encoder_backbone(backbone):
-    """Raises ValueError unless `backbone` is a BERT or ALBERT backbone."""
-    if not isinstance(backbone, EncoderBackbone):
-        raise ValueError(
-            "`backbone` must be a BertBackbone or an AlbertBackbone (for a "
-            "pretrained `Bert`/`Albert`, pass its `.backbone`). "
-            f"Received: backbone of type {type(backbone).__name__}"
-        )
+from tfgpt.models.encoder_task_model import EncoderTaskModel
 
 
 @keras.saving.register_keras_serializable(package="tfgpt")
-class SequenceClassifier(keras.Model):
+class SequenceClassifier(EncoderTaskModel):
     """Classifies a sentence or a sentence pair (GLUE, e.g. SST-2).
 
     Dropout and a dense layer on the backbone's pooled [CLS] vector
@@ -39,9 +28,7 @@ class SequenceClassifier(keras.Model):
     """
 
     def __init__(self, backbone, num_classes, dropout=0.1, **kwargs):
-        super().__init__(**kwargs)
-        check_encoder_backbone(backbone)
-        self.backbone = backbone
+        super().__init__(backbone, **kwargs)
         self.num_classes = num_classes
         self.dropout = dropout
         self.classification_head = ClassificationHead(
@@ -49,31 +36,14 @@ class SequenceClassifier(keras.Model):
         )
         self.build((None, None))
 
-    def build(self, input_shape):
-        if isinstance(input_shape, dict):
-            input_shape = input_shape["token_ids"]
-        self.classification_head.build((input_shape[0], self.backbone.hidden_dim))
-        self.built = True
+    def _build_head(self, input_shape, hidden_dim):
+        self.classification_head.build((input_shape[0], hidden_dim))
 
-    def call(self, inputs, training=None):
-        """Returns float32 class logits (B, num_classes)."""
-        token_ids, segment_ids, padding_mask, _ = unpack_encoder_inputs(inputs)
-        outputs = self.backbone(
-            pack_encoder_inputs(token_ids, segment_ids, padding_mask), training=training
-        )
+    def _head(self, outputs, training):
+        """Float32 class logits (B, num_classes)."""
         return self.classification_head(outputs["pooled_output"], training=training)
 
     def get_config(self):
         config = super().get_config()
-        config.update(
-            backbone=keras.saving.serialize_keras_object(self.backbone),
-            num_classes=self.num_classes,
-            dropout=self.dropout,
-        )
+        config.update(num_classes=self.num_classes, dropout=self.dropout)
         return config
-
-    @classmethod
-    def from_config(cls, config):
-        config = dict(config)
-        config["backbone"] = keras.saving.deserialize_keras_object(config["backbone"])
-        return cls(**config)
