@@ -18,7 +18,8 @@ and regardless of `TF_CPP_MIN_LOG_LEVEL` or any other environment variable
 ("WARNING: All log messages before absl::InitializeLog() is called are
 written to STDERR", "Could not find cuda drivers on your machine"), so they
 cannot be switched off from Python, only filtered out of stderr as above:
-a program that imports TensorFlow before tfgpt still prints them.
+a process that imports TensorFlow before tfgpt, or without it (horovodrun's
+own launcher), still prints them.
 """
 
 import glob
