@@ -1,4 +1,4 @@
-"""Fine-tune a BERT or ALBERT encoder with Horovod data parallelism.
+r"""Fine-tune a BERT or ALBERT encoder with Horovod data parallelism.
 
     horovodrun -np 2 python finetune_hvd.py --task classification --init runs/bert \
         --train-file SST-2/train.tsv --validation-file SST-2/dev.tsv --out runs/sst2

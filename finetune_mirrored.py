@@ -1,4 +1,4 @@
-"""Fine-tune a BERT or ALBERT encoder with a tf.distribute strategy.
+r"""Fine-tune a BERT or ALBERT encoder with a tf.distribute strategy.
 
     python finetune_mirrored.py --strategy mirrored --task squad --init runs/albert \
         --train-file train-v1.1.json --validation-file dev-v1.1.json --out runs/squad
