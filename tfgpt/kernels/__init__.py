@@ -28,20 +28,14 @@ Example:
 """
 
 import contextlib
+import importlib
 import json
 import logging
 import os
 import threading
 
-import tensorflow as tf
-
-try:  # Private, long-stable TF API (also used by tfgpt.layers' cache writes).
-    from tensorflow.python.framework.ops import get_default_graph as _default_graph
-    from tensorflow.python.ops.control_flow_util import (
-        GraphOrParentsInXlaContext as _in_xla_graph,
-    )
-except ImportError:  # pragma: no cover
-    _in_xla_graph = None
+# TensorFlow is imported where it is used, not here: `python -m
+# tfgpt.kernels.build --help` runs this package's __init__ first.
 
 _logger = logging.getLogger("tfgpt.kernels")
 _state = threading.local()
@@ -53,9 +47,12 @@ _loaded = False
 
 def in_xla_context():
     """True while tracing code that XLA will compile (jit_compile=True)."""
-    if _in_xla_graph is None:  # pragma: no cover
+    try:  # Private, long-stable TF API (also used by tfgpt.layers' cache writes).
+        from tensorflow.python.framework.ops import get_default_graph
+        from tensorflow.python.ops.control_flow_util import GraphOrParentsInXlaContext
+    except ImportError:  # pragma: no cover
         return True  # cannot tell: be safe, use the composite ops
-    return bool(_in_xla_graph(_default_graph()))
+    return bool(GraphOrParentsInXlaContext(get_default_graph()))
 
 
 def env_enabled():
@@ -68,6 +65,8 @@ def _load():
     global _library, _load_error, _loaded
     # Imported here, not at the top: `python -m tfgpt.kernels.build` runs
     # this package's __init__ before the build module.
+    import tensorflow as tf
+
     from tfgpt.kernels import build as _build
 
     with _lock:
@@ -88,7 +87,12 @@ def _load():
                 _library = tf.load_op_library(_build.LIBRARY)
             except (tf.errors.NotFoundError, OSError) as error:
                 _load_error = f"loading failed: {error}"
-        if _library is None:
+        if _library is not None:
+            # Every op's gradient is registered with the library, whoever
+            # creates the op.
+            for module in _KERNEL_MODULES:
+                importlib.import_module(module)
+        else:
             _logger.warning(
                 "tfgpt fused kernels unavailable (%s): using TensorFlow's composite ops, "
                 "slower on CPU. Build them with `python -m tfgpt.kernels.build` "
@@ -127,6 +131,8 @@ def is_disabled_here():
 def use_fused():
     """True when a call made now may take a fused kernel: no rule common to
     all kernels says no (`dispatch.runtime_reason`)."""
+    from tfgpt.kernels import dispatch
+
     return not dispatch.runtime_reason()
 
 
@@ -138,13 +144,32 @@ def build_info():
     return json.loads(json.dumps(stamp)) if stamp else None
 
 
-# Below the functions they call.
-from tfgpt.kernels import dispatch  # noqa: E402
-from tfgpt.kernels.dispatch import summary  # noqa: E402
-from tfgpt.kernels.bias_gelu_kernel import bias_gelu  # noqa: E402
-from tfgpt.kernels.causal_attention_kernel import causal_attention  # noqa: E402
-from tfgpt.kernels.cross_entropy_kernel import sparse_cross_entropy  # noqa: E402
-from tfgpt.kernels.gelu_kernel import gelu  # noqa: E402
+# The kernel functions and the dispatch table, imported on first use (they
+# import TensorFlow).
+_KERNEL_MODULES = (
+    "tfgpt.kernels.bias_gelu_kernel",
+    "tfgpt.kernels.causal_attention_kernel",
+    "tfgpt.kernels.causal_softmax_kernel",
+    "tfgpt.kernels.cross_entropy_kernel",
+    "tfgpt.kernels.gelu_kernel",
+    "tfgpt.kernels.layer_norm_kernel",
+)
+_LAZY = {
+    "bias_gelu": "tfgpt.kernels.bias_gelu_kernel",
+    "causal_attention": "tfgpt.kernels.causal_attention_kernel",
+    "sparse_cross_entropy": "tfgpt.kernels.cross_entropy_kernel",
+    "gelu": "tfgpt.kernels.gelu_kernel",
+    "summary": "tfgpt.kernels.dispatch",
+}
+
+
+def __getattr__(name):
+    if name == "dispatch":
+        return importlib.import_module("tfgpt.kernels.dispatch")
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'tfgpt.kernels' has no attribute {name!r}")
+
 
 __all__ = ["bias_gelu", "causal_attention", "disabled", "dispatch", "gelu", "in_xla_context",
            "library", "sparse_cross_entropy", "summary", "unavailable_reason", "use_fused"]

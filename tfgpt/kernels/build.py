@@ -221,9 +221,19 @@ def _tail(text, lines=30):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--force", action="store_true", help="rebuild even if up to date")
-    parser.add_argument("--jobs", type=int, help="parallel compiler processes (default: cores)")
+    from tfgpt.cli import HelpFormatter
+
+    parser = argparse.ArgumentParser(
+        prog="python -m tfgpt.kernels.build", description=__doc__, formatter_class=HelpFormatter
+    )
+    parser.add_argument(
+        "--force", action="store_true",
+        help="rebuild even when the stamp says the library is up to date",
+    )
+    parser.add_argument(
+        "--jobs", type=int, metavar="N",
+        help="parallel compiler processes; unset: one per CPU core",
+    )
     args = parser.parse_args(argv)
     try:
         build(force=args.force, jobs=args.jobs)
