@@ -27,9 +27,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import numpy as np  # noqa: E402
-
-from tfgpt import GPT  # noqa: E402
+from tfgpt.cli import HelpFormatter  # noqa: E402
+from tfgpt.config import GPT_PRESETS  # noqa: E402
 
 
 def run_once(model, prompts, new_tokens, **options):
@@ -41,20 +40,41 @@ def run_once(model, prompts, new_tokens, **options):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--preset", default="gpt-mini")
-    parser.add_argument("--new-tokens", type=int, nargs="+", default=[32, 256, 1024])
-    parser.add_argument("--prompt-length", type=int, default=8)
-    parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("--max-sequence-length", type=int, default=None)
+    parser = argparse.ArgumentParser(
+        prog="python bench/generation.py", description=__doc__, formatter_class=HelpFormatter
+    )
+    parser.add_argument(
+        "--preset", default="gpt-mini", choices=list(GPT_PRESETS),
+        help="GPT preset to time (randomly initialised)",
+    )
+    parser.add_argument(
+        "--new-tokens", type=int, nargs="+", default=[32, 256, 1024], metavar="N",
+        help="generation lengths to time, one row each",
+    )
+    parser.add_argument(
+        "--prompt-length", type=int, default=8, metavar="T", help="prompt tokens per row"
+    )
+    parser.add_argument("--batch-size", type=int, default=1, help="prompts generated at once")
+    parser.add_argument(
+        "--max-sequence-length", type=int, default=None, metavar="T",
+        help="the model's context; unset: the longest run needs, at least 256",
+    )
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds per length")
     parser.add_argument(
         "--long-rounds", type=int, default=1, help="rounds from --long-from new tokens on"
     )
-    parser.add_argument("--long-from", type=int, default=1024)
+    parser.add_argument(
+        "--long-from", type=int, default=1024, metavar="N",
+        help="lengths from this one on are long: timed --long-rounds times",
+    )
     parser.add_argument("--xla", action="store_true", help="also time the XLA-compiled loop")
-    parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--json", metavar="FILE", help="also write the results to this file")
     args = parser.parse_args()
+
+    # Imported after the flags are parsed: `--help` starts no TensorFlow.
+    import numpy as np
+
+    from tfgpt import GPT
 
     context = args.max_sequence_length or max(256, args.prompt_length + max(args.new_tokens))
     model = GPT.from_preset(args.preset, max_sequence_length=context)

@@ -34,13 +34,19 @@ def _status_kib(field):
 
 
 def worker_main(argv):
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--preset", required=True)
-    parser.add_argument("--batch-size", type=int, default=1)
+    from tfgpt.cli import HelpFormatter
+    from tfgpt.config import GPT_PRESETS
+
+    parser = argparse.ArgumentParser(
+        prog="python bench/memory.py worker", formatter_class=HelpFormatter,
+        description="One measured process: a few training steps of one preset.",
+    )
+    parser.add_argument("--preset", required=True, choices=list(GPT_PRESETS), help="GPT preset")
+    parser.add_argument("--batch-size", type=int, default=1, help="sequences per step")
     parser.add_argument("--sequence-length", type=int, default=0, help="0: the preset's context")
-    parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--recompute", action="store_true")
-    parser.add_argument("--xla", action="store_true")
+    parser.add_argument("--steps", type=int, default=2, help="training steps to run")
+    parser.add_argument("--recompute", action="store_true", help="recompute the GPT blocks")
+    parser.add_argument("--xla", action="store_true", help="compile the step with XLA")
     args = parser.parse_args(argv)
 
     import keras
@@ -113,11 +119,23 @@ def measure(preset, batch_size, recompute, xla=False, steps=2, sequence_length=0
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--presets", nargs="+", default=["gpt-mini", "gpt2-small"])
-    parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("--xla", action="store_true")
-    parser.add_argument("--out", default=os.path.join(REPO, "bench", "results"))
+    from tfgpt.cli import HelpFormatter
+    from tfgpt.config import GPT_PRESETS
+
+    parser = argparse.ArgumentParser(
+        prog="python bench/memory.py", description=__doc__, formatter_class=HelpFormatter
+    )
+    parser.add_argument(
+        "--presets", nargs="+", default=["gpt-mini", "gpt2-small"], choices=list(GPT_PRESETS),
+        metavar="PRESET", help=f"GPT presets to measure, each with and without recomputation "
+        f"(choices: {', '.join(GPT_PRESETS)})",
+    )
+    parser.add_argument("--batch-size", type=int, default=1, help="sequences per step")
+    parser.add_argument("--xla", action="store_true", help="compile the steps with XLA")
+    parser.add_argument(
+        "--out", default=os.path.join(REPO, "bench", "results"), metavar="DIR",
+        help="directory for memory.json",
+    )
     args = parser.parse_args(argv)
     rows = []
     for preset in args.presets:

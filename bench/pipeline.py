@@ -207,19 +207,36 @@ def measure_training(steps):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--corpus-mb", type=float, default=32.0)
-    parser.add_argument("--vocab-size", type=int, default=8000)
-    parser.add_argument("--reader-seconds", type=float, default=10.0)
-    parser.add_argument("--train-steps", type=int, default=10)
+    from tfgpt.cli import HelpFormatter
+
+    parser = argparse.ArgumentParser(
+        prog="python bench/pipeline.py", description=__doc__, formatter_class=HelpFormatter
+    )
+    parser.add_argument(
+        "--corpus-mb", type=float, default=32.0, metavar="MB",
+        help="size of the corpus (the built-in corpus repeated) in MB of text",
+    )
+    parser.add_argument(
+        "--vocab-size", type=int, default=8000, help="pieces of the SentencePiece BPE model"
+    )
+    parser.add_argument(
+        "--reader-seconds", type=float, default=10.0, metavar="SECONDS",
+        help="how long the reader is drained, after its warm-up batches",
+    )
+    parser.add_argument(
+        "--train-steps", type=int, default=10, metavar="N",
+        help="timed gpt-mini training steps (after 3 untimed ones)",
+    )
     parser.add_argument(
         "--repeats", type=int, default=2, help="preparation rounds; the best counts"
     )
     parser.add_argument(
-        "--workdir", help="keep the corpus and outputs here (default: a temporary directory)"
+        "--workdir", metavar="DIR",
+        help="keep the corpus and outputs here; unset: a temporary directory",
     )
     parser.add_argument(
-        "--json", default=os.path.join(tempfile.gettempdir(), "tfgpt_pipeline_bench.json")
+        "--json", default=os.path.join(tempfile.gettempdir(), "tfgpt_pipeline_bench.json"),
+        metavar="FILE", help="file to write every figure to",
     )
     arguments = parser.parse_args()
 

@@ -71,9 +71,18 @@ def summarize(directory):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("directory")
-    parser.add_argument("--top", type=int, default=25)
+    from tfgpt.cli import HelpFormatter
+
+    parser = argparse.ArgumentParser(
+        prog="python bench/profile_summary.py", description=__doc__,
+        formatter_class=HelpFormatter,
+    )
+    parser.add_argument(
+        "directory", metavar="DIR", help="a profile directory (a run's --profile output)"
+    )
+    parser.add_argument(
+        "--top", type=int, default=25, metavar="N", help="operations to list, longest first"
+    )
     args = parser.parse_args(argv)
     totals = summarize(args.directory)
     overall = sum(totals.values()) or 1.0

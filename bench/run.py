@@ -248,20 +248,33 @@ def plot(figures, path):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog=__doc__.split("\n", 2)[2])
+    from tfgpt.cli import HelpFormatter
+
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.run", description=__doc__, formatter_class=HelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="gpt-mini only, fewer rounds")
-    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
-    parser.add_argument("--threads", type=int, nargs="+", default=None,
+    parser.add_argument(
+        "--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS), metavar="SECTION",
+        help=f"tables to measure (choices: {', '.join(SECTIONS)})",
+    )
+    parser.add_argument("--threads", type=int, nargs="+", default=None, metavar="N",
                         help="TF intra-op threads = torch.set_num_threads for the training "
-                        "tables (default: all cores, then 1)")
-    parser.add_argument("--rounds", type=int, default=None)
-    parser.add_argument("--steps-per-round", type=int, default=None)
+                        "tables; unset: all cores, then 1")
+    parser.add_argument(
+        "--rounds", type=int, default=None,
+        help="interleaved rounds of the training tables; unset: 4 with --quick, else 8",
+    )
+    parser.add_argument(
+        "--steps-per-round", type=int, default=None, metavar="N",
+        help="timed steps per configuration and round; unset: 1 with --quick, else 2",
+    )
     parser.add_argument("--xla-trainers", action=argparse.BooleanOptionalAction, default=False,
                         help="run the scaling trainers and the memory steps with --xla "
-                        "(default: the trainers' default, off)")
-    parser.add_argument("--out", default=RESULTS)
+                        "(the trainers' default is off)")
+    parser.add_argument(
+        "--out", default=RESULTS, metavar="DIR", help="directory for the JSON and PNG results"
+    )
     args = parser.parse_args(argv)
     args.rounds = args.rounds or (4 if args.quick else 8)
     args.steps_per_round = args.steps_per_round or (1 if args.quick else 2)

@@ -292,16 +292,31 @@ def _warn_if_kernels_differ(baseline):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--preset", default="gpt-mini")
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--log-every", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=1)
-    parser.add_argument("--kinds", nargs="+", default=["horovod", "multi-worker"])
-    parser.add_argument("--work", default=os.path.join(REPO, "bench", "results", "work"))
-    parser.add_argument("--out", default=os.path.join(REPO, "bench", "results"))
-    parser.add_argument("--baseline", help="also run the trainers from this checkout (a "
+    from tfgpt.cli import HelpFormatter
+    from tfgpt.config import GPT_PRESETS
+
+    kinds = ("horovod", "multi-worker", "independent")
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.scaling", description=__doc__, formatter_class=HelpFormatter,
+        epilog="Other flags are passed on to every trainer run.",
+    )
+    parser.add_argument("--preset", default="gpt-mini", choices=list(GPT_PRESETS),
+                        help="GPT preset the trainers train")
+    parser.add_argument("--steps", type=int, default=30, help="training steps per run")
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per worker per step")
+    parser.add_argument("--log-every", type=int, default=5, metavar="N",
+                        help="steps per logged throughput window")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="rounds; each runs every configuration once, alternating")
+    parser.add_argument("--kinds", nargs="+", default=["horovod", "multi-worker"],
+                        choices=kinds, metavar="KIND",
+                        help=f"what to scale (choices: {', '.join(kinds)}; see above)")
+    parser.add_argument("--work", default=os.path.join(REPO, "bench", "results", "work"),
+                        metavar="DIR", help="scratch directory for the data and the runs")
+    parser.add_argument("--out", default=os.path.join(REPO, "bench", "results"), metavar="DIR",
+                        help="directory for scaling.json")
+    parser.add_argument("--baseline", metavar="CHECKOUT",
+                        help="also run the trainers from this checkout (a "
                         "directory, e.g. a `git worktree` of the commit before a change); build "
                         "its fused kernels there too (`python -m tfgpt.kernels.build`) or both "
                         "sides do not compute alike")

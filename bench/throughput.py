@@ -204,21 +204,30 @@ def _peak_worker(args):
 
 
 def worker_main(argv):
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--framework", choices=["tf", "torch", "peak"], required=True)
-    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
-    parser.add_argument("--xla", action="store_true")
-    parser.add_argument("--compile", action="store_true")
-    parser.add_argument("--recompute", action="store_true")
-    parser.add_argument("--threads", type=int, default=2)
+    from tfgpt.cli import HelpFormatter
+    from tfgpt.config import GPT_PRESETS
+
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.throughput worker", formatter_class=HelpFormatter,
+        description="One measured process: serves timed training steps of one configuration.",
+    )
+    parser.add_argument("--framework", choices=["tf", "torch", "peak"], required=True,
+                        help="tfgpt, the PyTorch reference, or a matmul peak")
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                        help="float32, or mixed bfloat16")
+    parser.add_argument("--xla", action="store_true", help="tfgpt: compile the step with XLA")
+    parser.add_argument("--compile", action="store_true", help="PyTorch: torch.compile the model")
+    parser.add_argument("--recompute", action="store_true", help="recompute the GPT blocks")
+    parser.add_argument("--threads", type=int, default=2, help="intra-op threads")
     parser.add_argument("--inter-op-threads", type=int, default=0,
                         help="TensorFlow's inter-op threads; 0: min(2, --threads)")
     parser.add_argument("--towers", type=int, default=0,
                         help="TrainConfig.towers: slices of the batch run side by side; 0 chooses")
-    parser.add_argument("--preset", default="gpt-mini")
+    parser.add_argument("--preset", default="gpt-mini", choices=list(GPT_PRESETS),
+                        help="GPT preset")
     parser.add_argument("--overrides", default="{}", help="GPTConfig fields as JSON")
     parser.add_argument("--batches", help=".npy of (count, 2, batch, length) token ids")
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     parser.add_argument("--tfgpt-path", help="import tfgpt from this checkout instead")
     args = parser.parse_args(argv)
     if args.framework == "peak":
@@ -388,16 +397,30 @@ def mfu(measurement, name, peak_name):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="Interleaved training throughput (see module doc).")
-    parser.add_argument("--preset", default="gpt-mini")
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps-per-round", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--configs", nargs="+", default=list(CONFIGURATIONS))
-    parser.add_argument("--baseline", help="also run the tfgpt configurations from this checkout "
+    from tfgpt.cli import HelpFormatter
+    from tfgpt.config import GPT_PRESETS
+
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.throughput", description=__doc__, formatter_class=HelpFormatter
+    )
+    parser.add_argument("--preset", default="gpt-mini", choices=list(GPT_PRESETS),
+                        help="GPT preset to train")
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per step")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="rounds; each times every configuration, alternating")
+    parser.add_argument("--steps-per-round", type=int, default=3, metavar="N",
+                        help="timed steps per configuration and round")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                        help="threads of every process (intra-op threads, torch.set_num_threads)")
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGURATIONS),
+                        choices=list(CONFIGURATIONS), metavar="CONFIG",
+                        help="configurations to time (choices: "
+                        + ", ".join(repr(name) for name in CONFIGURATIONS) + ")")
+    parser.add_argument("--baseline", metavar="CHECKOUT",
+                        help="also run the tfgpt configurations from this checkout "
                         "(a directory, e.g. a `git worktree` of the commit before a change)")
-    parser.add_argument("--out", default=os.path.join(REPO, "bench", "results"))
+    parser.add_argument("--out", default=os.path.join(REPO, "bench", "results"), metavar="DIR",
+                        help="directory for throughput-PRESET.json")
     args = parser.parse_args(argv)
     names = list(args.configs)
     extra = {}
