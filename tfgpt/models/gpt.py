@@ -133,20 +133,7 @@ class GPT(BlockStack, ConfiguredModel):
             logits = tf.reshape(logits, [batch_size, length, embedding.shape[0]])  # (B, T, V)
         return tf.cast(logits, "float32")
 
-    def generate(
-        self,
-        prompt_ids,
-        max_new_tokens,
-        temperature=0.0,
-        top_k=0,
-        top_p=1.0,
-        seed=None,
-        stop_token_ids=None,
-        padding_mask=None,
-        use_cache=True,
-        jit_compile=False,
-        return_logits=False,
-    ):
+    def generate(self, prompt_ids, max_new_tokens, **options):
         """Returns up to `max_new_tokens` new ids after each prompt.
 
         Greedy by default; `temperature > 0` samples, optionally with `top_k`
@@ -154,7 +141,10 @@ class GPT(BlockStack, ConfiguredModel):
         list of lists of ids (rows may differ in length), a RaggedTensor or a
         2-D array with an optional `padding_mask`. A row ends at the first of
         `stop_token_ids`, which is not returned. Uses the key/value cache and
-        one compiled decode loop; see `tfgpt.decoding.generate`.
+        one compiled decode loop. `options` are the keyword arguments of
+        `tfgpt.decoding.generate`, which documents them: `temperature`,
+        `top_k`, `top_p`, `seed`, `stop_token_ids`, `padding_mask`,
+        `use_cache`, `jit_compile`, `return_logits`.
 
         Returns:
             list of lists of int, one per prompt (with `return_logits`, also
@@ -165,20 +155,7 @@ class GPT(BlockStack, ConfiguredModel):
         >>> len(model.generate([[1, 2, 3]], max_new_tokens=5)[0])
         5
         """
-        return decoding.generate(
-            self,
-            prompt_ids,
-            max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            seed=seed,
-            stop_token_ids=stop_token_ids,
-            padding_mask=padding_mask,
-            use_cache=use_cache,
-            jit_compile=jit_compile,
-            return_logits=return_logits,
-        )
+        return decoding.generate(self, prompt_ids, max_new_tokens, **options)
 
     def empty_cache(self, batch_size, cache_length=None):
         """Returns a zero key/value cache (B, L, 2, H, S, D) for decoding.
