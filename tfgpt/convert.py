@@ -25,12 +25,47 @@ import json
 import os
 import sys
 
-import numpy as np
+from tfgpt.cli import HelpFormatter
 
-from tfgpt.loading import check_tokenizer_matches_model
-from tfgpt.config import GPTConfig
-from tfgpt.models.gpt import GPT
-from tfgpt.tokenizers.byte_pair_tokenizer import BytePairTokenizer
+
+def parse_args(argv=None):
+    """The command line of `python -m tfgpt.convert`."""
+    parser = argparse.ArgumentParser(
+        prog="python -m tfgpt.convert", description=__doc__, formatter_class=HelpFormatter
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    to_tfgpt = commands.add_parser(
+        "to-tfgpt", formatter_class=HelpFormatter,
+        help="a Hugging Face GPT-2 directory -> a tfgpt run directory",
+        description="Reads a Hugging Face GPT-2 directory (config.json, safetensors or\n"
+        "pytorch_model.bin, vocab.json and merges.txt) and writes a tfgpt run\n"
+        "directory (config.json, ckpt-0, the tokenizer).",
+    )
+    to_gpt2 = commands.add_parser(
+        "to-gpt2", formatter_class=HelpFormatter,
+        help="a tfgpt run (or GPT-2) directory -> Hugging Face GPT-2's layout",
+        description="Reads a tfgpt run directory (or a GPT-2 one) and writes config.json\n"
+        "(with the tokenizer's bos and eos ids, null where it has none),\n"
+        "model.safetensors and, for a GPT-2 byte-level BPE tokenizer, vocab.json\n"
+        "and merges.txt.",
+    )
+    to_tfgpt.add_argument("source", metavar="GPT2_DIR", help="GPT-2 directory to read")
+    to_tfgpt.add_argument("output", metavar="OUTPUT_DIR", help="tfgpt run directory to write")
+    to_gpt2.add_argument("source", metavar="TFGPT_DIR", help="tfgpt run or GPT-2 directory to read")
+    to_gpt2.add_argument("output", metavar="OUTPUT_DIR", help="GPT-2 directory to write")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    # `--help` and flag errors are answered here, before TensorFlow loads below.
+    parse_args()
+
+import numpy as np  # noqa: E402
+
+from tfgpt.loading import check_tokenizer_matches_model  # noqa: E402
+from tfgpt.config import GPTConfig  # noqa: E402
+from tfgpt.models.gpt import GPT  # noqa: E402
+from tfgpt.tokenizers.byte_pair_tokenizer import BytePairTokenizer  # noqa: E402
 
 _ACTIVATION_FROM_GPT2 = {
     "gelu_new": "gelu_tanh",
@@ -323,17 +358,7 @@ def _assign_weights(model, weights, source):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(
-        prog="python -m tfgpt.convert",
-        description="Convert between Hugging Face GPT-2 checkpoints and tfgpt.",
-    )
-    commands = parser.add_subparsers(dest="command", required=True)
-    to_tfgpt = commands.add_parser("to-tfgpt", help="GPT-2 directory -> tfgpt run directory")
-    to_gpt2 = commands.add_parser("to-gpt2", help="tfgpt (or GPT-2) directory -> GPT-2 layout")
-    for command in (to_tfgpt, to_gpt2):
-        command.add_argument("source", help="directory to read")
-        command.add_argument("output", help="directory to write")
-    args = parser.parse_args(argv)
+    args = parse_args(argv)
 
     from tfgpt import loading
 

@@ -33,9 +33,59 @@ Loading needs TensorFlow Text's ops registered first:
 import argparse
 import sys
 
-import tensorflow as tf
+from tfgpt.cli import HelpFormatter
 
-from tfgpt import decoding, kernels
+
+def parse_args(argv=None):
+    """The command line of `python -m tfgpt.export`."""
+    parser = argparse.ArgumentParser(
+        prog="python -m tfgpt.export", description=__doc__, formatter_class=HelpFormatter
+    )
+    parser.add_argument(
+        "--checkpoint", required=True, metavar="DIR",
+        help="a tfgpt run directory or a Hugging Face GPT-2 directory (with its tokenizer)",
+    )
+    parser.add_argument(
+        "--output", required=True, metavar="DIR", help="SavedModel directory to write"
+    )
+    parser.add_argument(
+        "--max-new-tokens", type=int, required=True, metavar="N",
+        help="tokens the exported model generates per prompt (baked in)",
+    )
+    parser.add_argument(
+        "--temperature", type=float, default=0.0, metavar="T",
+        help="sampling temperature; 0 picks the most likely token (greedy)",
+    )
+    parser.add_argument(
+        "--top-k", type=int, default=0, metavar="K",
+        help="sample among the K most likely tokens only; 0 is off",
+    )
+    parser.add_argument(
+        "--top-p", type=float, default=1.0, metavar="P",
+        help="sample among the most likely tokens whose probabilities sum to P; 1 is off",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0,
+        help="seed of the sampling: the same prompt gets the same completion",
+    )
+    parser.add_argument(
+        "--ignore-eos", action="store_true",
+        help="do not stop a row at the tokenizer's end-of-text id",
+    )
+    parser.add_argument(
+        "--xla", action="store_true",
+        help="compile the decode loop (not the tokenizer) with XLA",
+    )
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    # `--help` and flag errors are answered here, before TensorFlow loads below.
+    parse_args()
+
+import tensorflow as tf  # noqa: E402
+
+from tfgpt import decoding, kernels  # noqa: E402
 
 
 class GenerationModule(tf.Module):
@@ -183,19 +233,7 @@ def _left_pad(prompt_ids):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(
-        prog="python -m tfgpt.export", description="Export a checkpoint as a SavedModel."
-    )
-    parser.add_argument("--checkpoint", required=True, help="run or GPT-2 directory")
-    parser.add_argument("--output", required=True, help="SavedModel directory to write")
-    parser.add_argument("--max-new-tokens", type=int, required=True)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--ignore-eos", action="store_true")
-    parser.add_argument("--xla", action="store_true")
-    args = parser.parse_args(argv)
+    args = parse_args(argv)
 
     from tfgpt.loading import load_model
 

@@ -16,30 +16,62 @@ import argparse
 import sys
 import time
 
-from tfgpt.loading import load_model
+from tfgpt.cli import HelpFormatter
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
-        prog="python -m tfgpt.generate", description="Generate text from a checkpoint."
+        prog="python -m tfgpt.generate", description=__doc__, formatter_class=HelpFormatter
     )
-    parser.add_argument("--checkpoint", required=True, help="run or GPT-2 directory")
     parser.add_argument(
-        "--prompt", action="append", required=True, help="prompt text; repeat for a batch"
+        "--checkpoint", required=True, metavar="DIR",
+        help="a tfgpt run directory or a Hugging Face GPT-2 directory",
     )
-    parser.add_argument("--max-new-tokens", type=int, default=50)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    parser.add_argument("--top-k", type=int, default=0, help="0 is off")
-    parser.add_argument("--top-p", type=float, default=1.0, help="1 is off")
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-text")
-    parser.add_argument("--no-cache", action="store_true", help="recompute the prefix per token")
-    parser.add_argument("--xla", action="store_true", help="compile the decode loop with XLA")
+    parser.add_argument(
+        "--prompt", action="append", required=True, metavar="TEXT",
+        help="text to continue; repeat the flag to generate for several prompts in one batch",
+    )
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=50, metavar="N",
+        help="tokens to generate after each prompt",
+    )
+    parser.add_argument(
+        "--temperature", type=float, default=0.0, metavar="T",
+        help="sampling temperature; 0 picks the most likely token (greedy)",
+    )
+    parser.add_argument(
+        "--top-k", type=int, default=0, metavar="K",
+        help="sample among the K most likely tokens only; 0 is off",
+    )
+    parser.add_argument(
+        "--top-p", type=float, default=1.0, metavar="P",
+        help="sample among the most likely tokens whose probabilities sum to P "
+        "(nucleus sampling); 1 is off",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=None,
+        help="random seed of the sampling, for a repeatable run; unset: a fresh one",
+    )
+    parser.add_argument(
+        "--ignore-eos", action="store_true",
+        help="keep generating past the tokenizer's end-of-text id",
+    )
+    parser.add_argument(
+        "--no-cache", action="store_true",
+        help="recompute the whole prefix for every new token instead of reading the "
+        "KV cache (slower; a check of the cached path)",
+    )
+    parser.add_argument(
+        "--xla", action="store_true", help="compile the decode loop with XLA",
+    )
     return parser.parse_args(argv)
 
 
 def main(argv=None):
     args = parse_args(argv)
+    # Imported after the flags are parsed: `--help` starts no TensorFlow.
+    from tfgpt.loading import load_model
+
     model, tokenizer = load_model(args.checkpoint)
     if tokenizer is None:
         raise ValueError(
