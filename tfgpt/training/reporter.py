@@ -15,10 +15,12 @@ class Reporter:
     Args:
         out_dir: str. Where `metrics.jsonl` and `tensorboard/` go.
         is_chief: bool. Only the chief prints and writes.
-        stream: file object for console lines.
+        stream: file object for console lines; None writes to whatever
+            `sys.stdout` is at the time (a default bound at import would
+            keep a stream that a test harness or a redirect has replaced).
     """
 
-    def __init__(self, out_dir, is_chief, stream=sys.stdout):
+    def __init__(self, out_dir, is_chief, stream=None):
         self.is_chief = is_chief
         self.stream = stream
         self._writer = None
@@ -30,7 +32,7 @@ class Reporter:
 
     def info(self, message):
         if self.is_chief:
-            print(message, file=self.stream, flush=True)
+            print(message, file=self.stream or sys.stdout, flush=True)
 
     def scalars(self, step, metrics, prefix="train"):
         """Logs `metrics` (name -> float) at `step`: one console line, one JSON line."""
