@@ -141,15 +141,19 @@ def run_encoder_contract(cls, config, inputs, tmp_path, parameter_count, **optio
 
 def check_presets(family, unknown_field):
     """Every preset of `family` lists every config field and builds its
-    config; a preset builds a model with an override; an unknown preset, or
-    a field of the config it does not have (`unknown_field`), raises."""
+    config; a preset builds a model with an override, whose sentence-pair
+    task is the registry's; an unknown preset, or a field of the config it
+    does not have (`unknown_field`), raises."""
     config_class = family.config_class
     names = {field.name for field in dataclasses.fields(config_class)}
     for name, preset in family.presets.items():
         assert set(preset) == names, name
         assert dataclasses.asdict(config_class.from_preset(name)) == preset
     smallest = min(family.presets, key=lambda name: family.presets[name]["hidden_dim"])
-    assert family.pretraining_class().from_preset(smallest, num_layers=2).config.num_layers == 2
+    model = family.pretraining_class().from_preset(smallest, num_layers=2)
+    assert model.config.num_layers == 2
+    # The registry's sentence-pair task is the one the model's head predicts.
+    assert family.pair_task == getattr(model, "pair_task", None)
     with pytest.raises(ValueError, match=r"preset='no-such-model'"):
         config_class.from_preset("no-such-model")
     with pytest.raises(ValueError, match=rf"Unknown {config_class.__name__} .*{unknown_field}"):

@@ -129,3 +129,19 @@ def check_pretraining_model(model, inputs, backbone_reference):
     assert_allclose(
         outputs[f"{model.pair_task}_logits"].numpy(), classifier(pooled, pair_head), atol=1e-4
     )
+
+
+def check_layer(layer, reference, padding_mask, seed, atol):
+    """Asserts that `layer` computes `reference(x, layer, padding_mask)`.
+
+    `x` is normal (B, T, C) noise drawn with `seed`, for the (B, T)
+    `padding_mask`; the layer's weights get noise drawn with `seed + 1`.
+    """
+    batch, length = padding_mask.shape
+    x = np.random.default_rng(seed).normal(size=(batch, length, layer.hidden_dim))
+    x = x.astype("float32")
+    layer(x)
+    randomize(layer, seed=seed + 1)
+    assert_allclose(
+        layer(x, padding_mask=padding_mask).numpy(), reference(x, layer, padding_mask), atol=atol
+    )

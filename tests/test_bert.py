@@ -38,13 +38,7 @@ def tiny_inputs(seed=0, length=LENGTH):
 
 def test_self_attention_matches_numpy_reference_with_padding():
     layer = SelfAttention(hidden_dim=HIDDEN, num_heads=HEADS)
-    x = np.random.default_rng(1).normal(size=(BATCH, LENGTH, HIDDEN)).astype("float32")
-    mask = tiny_inputs()["padding_mask"]
-    layer(x)
-    ref.randomize(layer, seed=2)
-    np.testing.assert_allclose(
-        layer(x, padding_mask=mask).numpy(), ref.attention(x, layer, mask), atol=1e-5
-    )
+    ref.check_layer(layer, ref.attention, tiny_inputs()["padding_mask"], seed=1, atol=1e-5)
 
 
 @pytest.mark.parametrize("norm_first", [False, True])
@@ -59,13 +53,7 @@ def test_encoder_block_matches_numpy_reference(norm_first, activation):
         norm_first=norm_first,
         layer_norm_epsilon=1e-12,
     )
-    x = np.random.default_rng(3).normal(size=(BATCH, LENGTH, HIDDEN)).astype("float32")
-    mask = tiny_inputs()["padding_mask"]
-    block(x)
-    ref.randomize(block, seed=4)
-    np.testing.assert_allclose(
-        block(x, padding_mask=mask).numpy(), ref.block(x, block, mask), atol=1e-4
-    )
+    ref.check_layer(block, ref.block, tiny_inputs()["padding_mask"], seed=3, atol=1e-4)
 
 
 @pytest.mark.parametrize("norm_first", [False, True], ids=["post-ln", "pre-ln"])
