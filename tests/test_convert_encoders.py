@@ -17,8 +17,8 @@ import pytest
 import torch
 import transformers
 
-from tfgpt import Albert, AlbertBackbone, Bert, BertBackbone, SequenceClassifier
-from tfgpt import SpanQuestionAnswerer
+from tfgpt import Bert, SequenceClassifier, SpanQuestionAnswerer
+from tfgpt.config import FAMILIES
 from tfgpt.convert_encoders import load_hf_encoder, load_hf_weights, read_safetensors
 
 ATOL = 1e-4
@@ -95,19 +95,28 @@ def max_abs(a, b):
 # ---- Oracles ------------------------------------------------------------
 
 
-def test_bert_for_pretraining_matches_transformers(tmp_path):
-    reference = save_random(transformers.BertForPreTraining, bert_config(), tmp_path)
-    model = load_hf_encoder(tmp_path, family="bert")
-    assert isinstance(model, Bert)
+def check_pretraining_matches_transformers(tmp_path, hf_class, hf_config, family, hf_pair_logits):
+    """The converted pretraining model's four outputs equal transformers'."""
+    reference = save_random(hf_class, hf_config, tmp_path)
+    model = load_hf_encoder(tmp_path, family=family)
+    assert isinstance(model, FAMILIES[family].pretraining_class())
     inputs, hf_inputs = example_inputs()
-    outputs = model({**inputs})
+    outputs = model(inputs)
     with torch.no_grad():
         expected = reference(**hf_inputs, output_hidden_states=True)
-        pooled = reference.bert(**hf_inputs).pooler_output
+        pooled = getattr(reference, family)(**hf_inputs).pooler_output
     assert max_abs(outputs["sequence_output"], expected.hidden_states[-1]) < ATOL
     assert max_abs(outputs["pooled_output"], pooled) < ATOL
     assert max_abs(outputs["mlm_logits"], expected.prediction_logits) < ATOL
-    assert max_abs(outputs["nsp_logits"], expected.seq_relationship_logits) < ATOL
+    pair_logits = outputs[f"{model.pair_task}_logits"]
+    assert max_abs(pair_logits, getattr(expected, hf_pair_logits)) < ATOL
+    return model
+
+
+def test_bert_for_pretraining_matches_transformers(tmp_path):
+    check_pretraining_matches_transformers(
+        tmp_path, transformers.BertForPreTraining, bert_config(), "bert", "seq_relationship_logits"
+    )
 
 
 @pytest.mark.parametrize(
@@ -116,30 +125,25 @@ def test_bert_for_pretraining_matches_transformers(tmp_path):
     ids=["one-group", "two-groups-gelu"],
 )
 def test_albert_for_pretraining_matches_transformers(tmp_path, overrides):
-    reference = save_random(transformers.AlbertForPreTraining, albert_config(**overrides), tmp_path)
-    model = load_hf_encoder(tmp_path, family="albert")
-    assert isinstance(model, Albert)
+    model = check_pretraining_matches_transformers(
+        tmp_path, transformers.AlbertForPreTraining, albert_config(**overrides), "albert", "sop_logits"
+    )
     assert model.backbone.num_groups == overrides.get("num_hidden_groups", 1)
-    inputs, hf_inputs = example_inputs()
-    outputs = model(inputs)
-    with torch.no_grad():
-        expected = reference(**hf_inputs, output_hidden_states=True)
-        pooled = reference.albert(**hf_inputs).pooler_output
-    assert max_abs(outputs["sequence_output"], expected.hidden_states[-1]) < ATOL
-    assert max_abs(outputs["pooled_output"], pooled) < ATOL
-    assert max_abs(outputs["mlm_logits"], expected.prediction_logits) < ATOL
-    assert max_abs(outputs["sop_logits"], expected.sop_logits) < ATOL
 
 
-@pytest.mark.parametrize("family", ["bert", "albert"])
-def test_backbone_alone_from_a_base_model_checkpoint(tmp_path, family):
+# Each family's name, transformers' class prefix and tiny config.
+FAMILY_PARAMETERS = pytest.mark.parametrize(
+    "family, hf_prefix, make_config",
+    [("bert", "Bert", bert_config), ("albert", "Albert", albert_config)],
+)
+
+
+@FAMILY_PARAMETERS
+def test_backbone_alone_from_a_base_model_checkpoint(tmp_path, family, hf_prefix, make_config):
     # BertModel/AlbertModel checkpoints have no "bert."/"albert." prefix.
-    if family == "bert":
-        reference = save_random(transformers.BertModel, bert_config(), tmp_path)
-    else:
-        reference = save_random(transformers.AlbertModel, albert_config(), tmp_path)
+    reference = save_random(getattr(transformers, f"{hf_prefix}Model"), make_config(), tmp_path)
     model = load_hf_encoder(tmp_path, head=None)
-    assert isinstance(model, BertBackbone if family == "bert" else AlbertBackbone)
+    assert isinstance(model, FAMILIES[family].backbone_class())
     inputs, hf_inputs = example_inputs()
     with torch.no_grad():
         expected = reference(**hf_inputs)
@@ -148,18 +152,16 @@ def test_backbone_alone_from_a_base_model_checkpoint(tmp_path, family):
     assert max_abs(outputs["pooled_output"], expected.pooler_output) < ATOL
 
 
-@pytest.mark.parametrize("family", ["bert", "albert"])
-def test_fine_tuned_checkpoints_match_transformers(tmp_path, family):
-    make_config = bert_config if family == "bert" else albert_config
-    prefix = "Bert" if family == "bert" else "Albert"
+@FAMILY_PARAMETERS
+def test_fine_tuned_checkpoints_match_transformers(tmp_path, family, hf_prefix, make_config):
     classifier_reference = save_random(
-        getattr(transformers, f"{prefix}ForSequenceClassification"),
+        getattr(transformers, f"{hf_prefix}ForSequenceClassification"),
         make_config(num_labels=3),
         tmp_path / "cls",
     )
     # *ForQuestionAnswering has no pooler and a 2-wide qa_outputs layer.
     qa_reference = save_random(
-        getattr(transformers, f"{prefix}ForQuestionAnswering"),
+        getattr(transformers, f"{hf_prefix}ForQuestionAnswering"),
         make_config(num_labels=2),
         tmp_path / "qa",
     )
