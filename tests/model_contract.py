@@ -108,13 +108,16 @@ def run_model_contract(
     return model
 
 
-def run_encoder_contract(cls, config, inputs, tmp_path, parameter_count, **options):
+def run_encoder_contract(
+    cls, config, inputs, mask_positions, tmp_path, backbone_count, heads_count, **options
+):
     """`run_model_contract` for a BERT or ALBERT backbone or pretraining model.
 
-    The output shapes follow from `config` and `inputs`: a pretraining
-    model's `inputs` hold `mask_positions` (B, P), and its masked-LM and
-    sentence-pair logits must stay float32. `options` are
-    `run_model_contract`'s.
+    A pretraining model is called with `mask_positions` (B, P) added to
+    `inputs`, counts `backbone_count + heads_count` parameters and keeps its
+    masked-LM and sentence-pair logits float32; a backbone counts
+    `backbone_count`. The output shapes follow from `config` and the inputs.
+    `options` are `run_model_contract`'s.
     """
     batch, length = inputs["token_ids"].shape
     shapes = {
@@ -123,9 +126,10 @@ def run_encoder_contract(cls, config, inputs, tmp_path, parameter_count, **optio
     }
     logits = ()
     if issubclass(cls, EncoderPretrainingModel):
+        inputs = {**inputs, "mask_positions": mask_positions}
+        backbone_count += heads_count
         logits = ("mlm_logits", f"{cls.pair_task}_logits")
-        positions = inputs["mask_positions"].shape[1]
-        shapes[logits[0]] = (batch, positions, config.vocabulary_size)
+        shapes[logits[0]] = (batch, mask_positions.shape[1], config.vocabulary_size)
         shapes[logits[1]] = (batch, 2)
     return run_model_contract(
         cls,
@@ -134,7 +138,7 @@ def run_encoder_contract(cls, config, inputs, tmp_path, parameter_count, **optio
         shapes,
         tmp_path,
         float32_outputs=logits,
-        parameter_count=parameter_count,
+        parameter_count=backbone_count,
         **options,
     )
 

@@ -257,15 +257,14 @@ def test_albert_parameter_counts_equal_transformers(preset):
 )
 def test_model_contract(tmp_path, cls, overrides):
     config = AlbertConfig(**tiny_config(layer_norm_epsilon=1e-6, **overrides))
-    pretraining = cls is Albert
-    positions = {"mask_positions": np.array([[1, 2], [0, 4], [3, 3]], "int32")}
     contract.run_encoder_contract(
         cls,
         config,
-        {**tiny_inputs(), **(positions if pretraining else {})},
+        tiny_inputs(),
+        np.array([[1, 2], [0, 4], [3, 3]], "int32"),
         tmp_path,
-        albert_parameter_count(config)
-        + (pretraining_heads_parameter_count(config) if pretraining else 0),
+        albert_parameter_count(config),
+        pretraining_heads_parameter_count(config),
         prepare=lambda model: ref.randomize(model, seed=3),
         mixed_policy="mixed_float16",
     )

@@ -17,12 +17,16 @@ import pytest
 import torch
 import transformers
 
+from tests import model_contract as contract
 from tfgpt import Bert, SequenceClassifier, SpanQuestionAnswerer
 from tfgpt.config import FAMILIES
 from tfgpt.convert_encoders import load_hf_encoder, load_hf_weights, read_safetensors
 
 ATOL = 1e-4
-VOCAB, HIDDEN, HEADS, INTERMEDIATE, MAX_LENGTH = 37, 12, 3, 20, 16
+# The tiny sizes of tests/model_contract.py, so that `contract.tiny_fields()`
+# builds the model a `bert_config()` checkpoint describes.
+VOCAB, HIDDEN, HEADS = contract.VOCAB, contract.HIDDEN, contract.HEADS
+INTERMEDIATE, MAX_LENGTH = contract.INTERMEDIATE, contract.MAX_LENGTH
 
 
 def bert_config(**overrides):
@@ -30,7 +34,7 @@ def bert_config(**overrides):
         **{
             "vocab_size": VOCAB,
             "hidden_size": HIDDEN,
-            "num_hidden_layers": 3,
+            "num_hidden_layers": contract.LAYERS,
             "num_attention_heads": HEADS,
             "intermediate_size": INTERMEDIATE,
             "max_position_embeddings": MAX_LENGTH,
@@ -182,14 +186,7 @@ def test_fine_tuned_checkpoints_match_transformers(tmp_path, family, hf_prefix, 
 def test_load_hf_weights_into_an_existing_model(tmp_path):
     save_random(transformers.BertForPreTraining, bert_config(), tmp_path)
     loaded = load_hf_encoder(tmp_path)
-    model = Bert(
-        vocabulary_size=VOCAB,
-        num_layers=3,
-        num_heads=HEADS,
-        hidden_dim=HIDDEN,
-        intermediate_dim=INTERMEDIATE,
-        max_sequence_length=MAX_LENGTH,
-    )
+    model = Bert(**contract.tiny_fields())
     load_hf_weights(model, tmp_path)
     for mine, theirs in zip(model.weights, loaded.weights):
         np.testing.assert_array_equal(mine.numpy(), theirs.numpy())
@@ -220,14 +217,7 @@ def test_checkpoint_of_the_other_family_raises(tmp_path):
     save_random(transformers.AlbertForPreTraining, albert_config(), tmp_path)
     with pytest.raises(ValueError, match=r"expected a bert checkpoint.*model_type='albert'"):
         load_hf_encoder(tmp_path, family="bert")
-    bert = Bert(
-        vocabulary_size=VOCAB,
-        num_layers=3,
-        num_heads=HEADS,
-        hidden_dim=HIDDEN,
-        intermediate_dim=INTERMEDIATE,
-        max_sequence_length=MAX_LENGTH,
-    )
+    bert = Bert(**contract.tiny_fields())
     with pytest.raises(ValueError, match=r"model is a Bert.*model_type='albert'"):
         load_hf_weights(bert, tmp_path)
 
