@@ -48,17 +48,8 @@ def read_classification_file(path, labels):
             f"`labels` must declare at least two distinct labels. Received: labels={list(labels)!r}"
         )
     label_ids = {name: index for index, name in enumerate(names)}
-    extension = os.path.splitext(path)[1].lower()
-    if extension == ".tsv":
-        records = _read_tsv(path)
-    elif extension in (".jsonl", ".json"):
-        records = _read_jsonl(path)
-    else:
-        raise ValueError(
-            f"Unknown classification file type (expected .tsv, .jsonl or .json). Received: {path}"
-        )
     texts, ids = [], []
-    for line_number, text, label in records:
+    for line_number, text, label in read_records(path):
         if label not in label_ids:
             raise ValueError(
                 f"{path}:{line_number}: label {label!r} is not one of the declared "
@@ -69,6 +60,22 @@ def read_classification_file(path, labels):
     if not texts:
         raise ValueError(f"{path}: no records")
     return texts, np.asarray(ids, np.int32)
+
+
+def read_records(path):
+    """`(line_number, text, label)` of each record, in the layout the extension names.
+
+    Labels are as the file spells them (str, or a JSON int's decimal text);
+    a malformed line raises `ValueError` naming it when it is reached.
+    """
+    extension = os.path.splitext(path)[1].lower()
+    if extension == ".tsv":
+        return _read_tsv(path)
+    if extension in (".jsonl", ".json"):
+        return _read_jsonl(path)
+    raise ValueError(
+        f"Unknown classification file type (expected .tsv, .jsonl or .json). Received: {path}"
+    )
 
 
 def _open_lines(path):

@@ -13,10 +13,9 @@ import shutil
 import tensorflow as tf
 
 from tfgpt.finetuning.classification import (
-    _read_jsonl,
-    _read_tsv,
     encode_classification,
     read_classification_file,
+    read_records,
 )
 from tfgpt.finetuning.offset_tokenizer import TOKENIZER_CONFIG_FILE, OffsetTokenizer
 from tfgpt.finetuning.squad import read_squad, squad_features
@@ -24,16 +23,7 @@ from tfgpt.finetuning.squad import read_squad, squad_features
 
 def infer_labels(path):
     """The distinct labels of a classification file, sorted (see `FinetuneConfig.labels`)."""
-    extension = os.path.splitext(path)[1].lower()
-    if extension == ".tsv":
-        records = _read_tsv(path)
-    elif extension in (".jsonl", ".json"):
-        records = _read_jsonl(path)
-    else:
-        raise ValueError(
-            f"Unknown classification file type (expected .tsv, .jsonl or .json). Received: {path}"
-        )
-    labels = sorted({label for _, _, label in records})
+    labels = sorted({label for _, _, label in read_records(path)})
     if all(_is_integer(label) for label in labels):
         labels.sort(key=int)
     if len(labels) < 2:
