@@ -16,7 +16,16 @@ import tensorflow as tf
 
 from tfgpt import kernels
 from tfgpt.kernels import build as kernel_build
-from tests.kernel_checks import gpt_loss_and_gradients, traced_op_types
+from tests.kernel_checks import (
+    assert_same_loss_and_gradients,
+    dtype_policy,
+    forget_the_library,
+    fused_and_composite,
+    gpt_loss_and_gradients,
+    random_inputs_and_targets,
+    require_avx512,
+    traced_op_types,
+)
 
 
 def _numpy_gelu(x, approximate):
@@ -63,7 +72,7 @@ def test_gelu_gradient_matches_tensorflow_autodiff(approximate):
         tape.watch(x)
         fused = kernels.gelu(x, approximate)
         composite = tf.nn.gelu(x, approximate=approximate)
-    assert any(op.type == "TfgptGelu" for op in _ops_of(lambda v: kernels.gelu(v, approximate), x))
+    assert "TfgptGelu" in traced_op_types(lambda v: kernels.gelu(v, approximate), x)
     np.testing.assert_allclose(fused, composite, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(tape.gradient(fused, x, upstream),
                                tape.gradient(composite, x, upstream), rtol=1e-5, atol=1e-5)
@@ -77,53 +86,37 @@ def test_gelu_second_call_shapes_and_errors():
         library.tfgpt_gelu(tf.ones([2], "int32"))
 
 
-def _ops_of(fn, *args, jit_compile=False):
-    concrete = tf.function(fn, jit_compile=jit_compile).get_concrete_function(*args)
-    return concrete.graph.get_operations()
-
-
 def test_xla_disabled_and_environment_take_the_composite_ops(monkeypatch):
     x = tf.ones([2, 3])
     gelu = lambda v: kernels.gelu(v)  # noqa: E731
-    assert "TfgptGelu" in {op.type for op in _ops_of(gelu, x)}
+    assert "TfgptGelu" in traced_op_types(gelu, x)
     # Under jit_compile XLA compiles the composite ops (it cannot run a custom op).
-    assert "TfgptGelu" not in {op.type for op in _ops_of(gelu, x, jit_compile=True)}
+    assert "TfgptGelu" not in traced_op_types(gelu, x, jit_compile=True)
     with kernels.disabled():
-        assert "TfgptGelu" not in {op.type for op in _ops_of(gelu, x)}
-    assert "TfgptGelu" in {op.type for op in _ops_of(gelu, x)}
+        assert "TfgptGelu" not in traced_op_types(gelu, x)
+    assert "TfgptGelu" in traced_op_types(gelu, x)
     monkeypatch.setenv("TFGPT_FUSED_KERNELS", "0")
     assert not kernels.use_fused()
-    assert "TfgptGelu" not in {op.type for op in _ops_of(gelu, x)}
+    assert "TfgptGelu" not in traced_op_types(gelu, x)
 
 
 @pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
 def test_gpt_training_gradients_equal_the_composite_path(policy):
     from tfgpt import GPT
 
-    keras.config.set_dtype_policy(policy)
-    try:
+    with dtype_policy(policy):
         keras.utils.set_random_seed(4)
         model = GPT(vocabulary_size=50, num_layers=2, num_heads=2, hidden_dim=16,
                     intermediate_dim=64, max_sequence_length=12)
-        rng = np.random.default_rng(2)
-        inputs = tf.constant(rng.integers(0, 50, (3, 12)).astype("int32"))
-        targets = tf.constant(rng.integers(0, 50, (3, 12)).astype("int32"))
-        loss_and_gradients = gpt_loss_and_gradients(model, inputs, targets)
-        step = tf.function(loss_and_gradients)
-        fused_loss, fused = step()
-        types = traced_op_types(step)
-        # Float32 attention is one fused kernel; in bfloat16 only its softmax is.
-        attention = ("TfgptCausalAttention" if policy == "float32" else "TfgptCausalSoftmax")
-        assert {"TfgptBiasGelu", "TfgptBiasGeluGrad", "TfgptLayerNorm", "TfgptLayerNormGrad",
-                attention, attention + "Grad"} <= types
-        with kernels.disabled():
-            composite_loss, composite = tf.function(loss_and_gradients)()
-    finally:
-        keras.config.set_dtype_policy("float32")
+        inputs, targets = random_inputs_and_targets(np.random.default_rng(2), 50, (3, 12))
+        fused, composite = fused_and_composite(
+            model, gpt_loss_and_gradients(model, inputs, targets))
+    # Float32 attention is one fused kernel; in bfloat16 only its softmax is.
+    attention = ("TfgptCausalAttention" if policy == "float32" else "TfgptCausalSoftmax")
+    assert {"TfgptBiasGelu", "TfgptBiasGeluGrad", "TfgptLayerNorm", "TfgptLayerNormGrad",
+            attention, attention + "Grad"} <= fused[2]
     tolerance = dict(rtol=1e-4, atol=1e-6) if policy == "float32" else dict(rtol=0.05, atol=2e-3)
-    np.testing.assert_allclose(fused_loss, composite_loss, **tolerance)
-    for a, b in zip(fused, composite):
-        np.testing.assert_allclose(tf.convert_to_tensor(a), tf.convert_to_tensor(b), **tolerance)
+    assert_same_loss_and_gradients(model, fused, composite, tolerance)
 
 
 def test_build_is_a_no_op_when_current_and_stale_after_a_source_change(tmp_path, monkeypatch):
@@ -182,14 +175,8 @@ def test_isa_flags_need_every_feature():
 
 
 def test_a_library_built_for_missing_instructions_is_refused(monkeypatch):
-    # A venv built on an AVX-512 machine and copied to one without it.
-    stamp = kernel_build.read_stamp()
-    monkeypatch.setattr(kernel_build, "read_stamp", lambda: {
-        **stamp, "requires_cpu_features": ["avx2", "fma", "avx512f"]})
-    monkeypatch.setattr(kernel_build, "cpu_features", lambda: {"avx2", "fma"})
-    monkeypatch.setattr(kernels, "_loaded", False)
-    monkeypatch.setattr(kernels, "_library", None)
-    monkeypatch.setattr(kernels, "_load_error", None)
+    require_avx512(monkeypatch)
+    forget_the_library(monkeypatch)
     assert kernels.library() is None
     assert "avx512f" in kernels.unavailable_reason()
     monkeypatch.undo()  # the loaded library again, for the tests after this one

@@ -20,7 +20,14 @@ from tfgpt.kernels.causal_attention_kernel import (
     causal_attention,
     causal_attention_available,
 )
-from tests.kernel_checks import gpt_loss_and_gradients, traced_op_types
+from tests.kernel_checks import (
+    assert_same_loss_and_gradients,
+    dtype_policy,
+    fused_and_composite,
+    gpt_loss_and_gradients,
+    random_inputs_and_targets,
+    traced_op_types,
+)
 
 FUSED_OPS = {"TfgptCausalAttention", "TfgptCausalAttentionGrad"}
 
@@ -108,8 +115,7 @@ def test_gradient_matches_autodiff_of_the_composite_path(batch, length, heads, d
         fused, _ = kernels.library().tfgpt_causal_attention(
             qkv, num_heads=heads, block_size=block)
         composite = _composite(qkv, heads)
-    assert not FUSED_OPS & {op.type for op in tf.function(_composite).get_concrete_function(
-        qkv, heads).graph.get_operations()}
+    assert not FUSED_OPS & traced_op_types(_composite, qkv, heads)
     np.testing.assert_allclose(fused, composite, rtol=1e-5, atol=1e-5)
     fused_gradient = tape.gradient(fused, qkv, upstream)
     composite_gradient = tape.gradient(composite, qkv, upstream)
@@ -171,30 +177,21 @@ def test_bad_input_is_rejected_with_a_reason():
 # ---- Inside the layer and GPT -----------------------------------------------
 
 
-def _layer_ops(layer, inputs, **kwargs):
-    concrete = tf.function(lambda x: layer(x, **kwargs)).get_concrete_function(inputs)
-    return {op.type for op in concrete.graph.get_operations()}
-
-
 def test_layer_takes_the_kernel_only_where_it_applies():
     from tfgpt.layers.causal_self_attention import CausalSelfAttention
 
     inputs = tf.ones([2, 6, 16])
     layer = CausalSelfAttention(hidden_dim=16, num_heads=2, dropout=0.1)
-    assert "TfgptCausalAttention" in _layer_ops(layer, inputs)  # inference
-    assert "TfgptCausalAttention" not in _layer_ops(layer, inputs, training=True)  # dropout
-    assert "TfgptCausalAttention" not in _layer_ops(
+    assert "TfgptCausalAttention" in traced_op_types(layer, inputs)  # inference
+    assert "TfgptCausalAttention" not in traced_op_types(layer, inputs, training=True)  # dropout
+    assert "TfgptCausalAttention" not in traced_op_types(
         layer, inputs, padding_mask=tf.ones([2, 6], "int32"))
-    assert "TfgptCausalAttention" not in tf.function(
-        lambda x: layer(x), jit_compile=True).get_concrete_function(inputs).graph.get_operations()
+    assert "TfgptCausalAttention" not in traced_op_types(layer, inputs, jit_compile=True)
     with kernels.disabled():
-        assert "TfgptCausalAttention" not in _layer_ops(layer, inputs)
-    keras.config.set_dtype_policy("mixed_bfloat16")
-    try:
+        assert "TfgptCausalAttention" not in traced_op_types(layer, inputs)
+    with dtype_policy("mixed_bfloat16"):
         bfloat16 = CausalSelfAttention(hidden_dim=16, num_heads=2)
-        assert "TfgptCausalAttention" not in _layer_ops(bfloat16, inputs, training=True)
-    finally:
-        keras.config.set_dtype_policy("float32")
+        assert "TfgptCausalAttention" not in traced_op_types(bfloat16, inputs, training=True)
 
 
 def test_gpt_loss_gradients_and_generation_equal_the_composite_path():
@@ -205,21 +202,13 @@ def test_gpt_loss_gradients_and_generation_equal_the_composite_path():
     model = GPT(vocabulary_size=50, num_layers=2, num_heads=2, hidden_dim=16,
                 intermediate_dim=40, max_sequence_length=80)
     rng = np.random.default_rng(5)
-    inputs = tf.constant(rng.integers(0, 50, (2, 70)).astype("int32"))
-    targets = tf.constant(rng.integers(0, 50, (2, 70)).astype("int32"))
+    inputs, targets = random_inputs_and_targets(rng, 50, (2, 70))
 
-    loss_and_gradients = gpt_loss_and_gradients(model, inputs, targets)
-    step = tf.function(loss_and_gradients)
-    fused_loss, fused = step()
-    assert FUSED_OPS <= traced_op_types(step)
-    with kernels.disabled():
-        composite_step = tf.function(loss_and_gradients)
-        composite_loss, composite = composite_step()
-    assert not FUSED_OPS & traced_op_types(composite_step)
-    np.testing.assert_allclose(fused_loss, composite_loss, rtol=1e-5)
-    for a, b in zip(fused, composite):
-        np.testing.assert_allclose(tf.convert_to_tensor(a), tf.convert_to_tensor(b),
-                                   rtol=1e-4, atol=1e-6)
+    fused, composite = fused_and_composite(model, gpt_loss_and_gradients(model, inputs, targets))
+    assert FUSED_OPS <= fused[2]
+    assert not FUSED_OPS & composite[2]
+    assert_same_loss_and_gradients(model, fused, composite, dict(rtol=1e-5),
+                                   dict(rtol=1e-4, atol=1e-6))
     # Generation: the prompt pass is fused, the cached steps are not.
     for weight in model.weights:  # spread the logits so greedy tokens vary
         if len(weight.shape) == 2:

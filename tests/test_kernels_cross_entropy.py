@@ -6,7 +6,13 @@ import pytest
 import tensorflow as tf
 
 from tfgpt import kernels
-from tests.kernel_checks import gpt_loss_and_gradients
+from tests.kernel_checks import (
+    assert_same_loss_and_gradients,
+    dtype_policy,
+    fused_and_composite,
+    gpt_loss_and_gradients,
+    random_inputs_and_targets,
+)
 from tfgpt.training.train_step import cross_entropy
 
 
@@ -82,20 +88,12 @@ def test_out_of_range_labels_and_bad_shapes_raise():
 def test_gpt_step_under_mixed_bfloat16_equals_the_composite_loss():
     from tfgpt import GPT
 
-    keras.config.set_dtype_policy("mixed_bfloat16")
-    try:
+    with dtype_policy("mixed_bfloat16"):
         keras.utils.set_random_seed(5)
         model = GPT(vocabulary_size=60, num_layers=1, num_heads=2, hidden_dim=16,
                     intermediate_dim=32, max_sequence_length=8)
-        rng = np.random.default_rng(3)
-        inputs = tf.constant(rng.integers(0, 60, (2, 8)).astype("int32"))
-        targets = tf.constant(rng.integers(0, 60, (2, 8)).astype("int32"))
-        step = gpt_loss_and_gradients(model, inputs, targets)
-        fused_loss, fused = tf.function(step)()
-        with kernels.disabled():
-            reference_loss, reference = tf.function(step)()
-    finally:
-        keras.config.set_dtype_policy("float32")
-    np.testing.assert_allclose(fused_loss, reference_loss, rtol=1e-3)
-    for a, b in zip(fused, reference):
-        np.testing.assert_allclose(tf.convert_to_tensor(a), tf.convert_to_tensor(b), rtol=0.05, atol=2e-3)
+        inputs, targets = random_inputs_and_targets(np.random.default_rng(3), 60, (2, 8))
+        fused, reference = fused_and_composite(
+            model, gpt_loss_and_gradients(model, inputs, targets))
+    assert_same_loss_and_gradients(model, fused, reference, dict(rtol=1e-3),
+                                   dict(rtol=0.05, atol=2e-3))

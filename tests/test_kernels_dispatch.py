@@ -1,7 +1,6 @@
 """The kernels' dispatch table: each reason a kernel does not run, and the
 summary line against the ops a traced training step really holds."""
 
-import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -10,7 +9,13 @@ from tfgpt import GPT, kernels
 from tfgpt.kernels import build as kernel_build
 from tfgpt.kernels import dispatch
 from tfgpt.training.fused_adamw import FusedAdamW
-from tests.kernel_checks import gpt_loss_and_gradients
+from tests.kernel_checks import (
+    dtype_policy,
+    forget_the_library,
+    gpt_loss_and_gradients,
+    require_avx512,
+    traced_op_types,
+)
 
 # The op each kernel name of the summary line stands for.
 OPS = {
@@ -56,10 +61,8 @@ def test_a_visible_gpu_takes_the_composite_ops():
         return kernels.gelu(tf.ones([2, 3]))
 
     with dispatch.simulate_gpu():
-        ops = {op.type for op in tf.function(gelu).get_concrete_function().graph.get_operations()}
-    assert "TfgptGelu" not in ops
-    ops = {op.type for op in tf.function(gelu).get_concrete_function().graph.get_operations()}
-    assert "TfgptGelu" in ops
+        assert "TfgptGelu" not in traced_op_types(gelu)
+    assert "TfgptGelu" in traced_op_types(gelu)
 
 
 @pytest.mark.parametrize("jit_compile, expected", [(True, "XLA compiles the step"), (False, "")])
@@ -90,14 +93,9 @@ def test_an_unusable_library_is_the_reason(broken, expected, monkeypatch, tmp_pa
         monkeypatch.setattr(kernel_build, "LIBRARY", str(tmp_path / "missing.so"))
     elif broken == "stale":
         monkeypatch.setattr(kernel_build, "is_current", lambda *args, **kwargs: False)
-    else:  # a venv built on an AVX-512 machine and copied to one without it
-        stamp = kernel_build.read_stamp()
-        monkeypatch.setattr(kernel_build, "read_stamp", lambda: {
-            **stamp, "requires_cpu_features": ["avx2", "fma", "avx512f"]})
-        monkeypatch.setattr(kernel_build, "cpu_features", lambda: {"avx2", "fma"})
-    monkeypatch.setattr(kernels, "_loaded", False)
-    monkeypatch.setattr(kernels, "_library", None)
-    monkeypatch.setattr(kernels, "_load_error", None)
+    else:
+        require_avx512(monkeypatch)
+    forget_the_library(monkeypatch)
     for name in dispatch.KERNELS:
         assert dispatch.reason(name, "float32") == expected, name
     line = dispatch.summary("float32")
@@ -158,8 +156,7 @@ def test_summary_groups_reasons():
 def _traced_step_kernels(policy, dropout, jit_compile):
     """The summary names of the Tfgpt ops in a traced GPT training step:
     loss, gradients and the FusedAdamW update."""
-    keras.config.set_dtype_policy(policy)
-    try:
+    with dtype_policy(policy):
         model = GPT(vocabulary_size=53, num_layers=2, num_heads=2, hidden_dim=16,
                     intermediate_dim=24, max_sequence_length=7, dropout=dropout)
         inputs = np.random.default_rng(0).integers(0, 53, (3, 7))
@@ -177,8 +174,6 @@ def _traced_step_kernels(policy, dropout, jit_compile):
         types = {op.type for op in graph.get_operations()}
         for function in graph._functions.values():  # noqa: SLF001 (nested functions)
             types |= {node.op for node in function.cached_definition.node_def}
-    finally:
-        keras.config.set_dtype_policy("float32")
     return {name for name, op in OPS.items() if op in types}
 
 

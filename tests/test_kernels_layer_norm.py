@@ -19,6 +19,15 @@ import tensorflow as tf
 from tfgpt import kernels
 from tfgpt.kernels.layer_norm_kernel import layer_norm
 from tfgpt.layers import LayerNorm
+from tests.kernel_checks import (
+    assert_same_loss_and_gradients,
+    dtype_policy,
+    fused_and_composite,
+    gpt_loss_and_gradients,
+    loss_and_gradients,
+    random_inputs_and_targets,
+    traced_op_types,
+)
 
 # Widths: odd, a single column (the row is its own mean), GPT-mini's.
 WIDTHS = [33, 1, 384]
@@ -46,11 +55,6 @@ def _numpy_layer_norm(x, gamma, beta, epsilon):
     variance = ((x - mean) ** 2).mean(-1, keepdims=True)
     rstd = 1 / np.sqrt(variance + epsilon)
     return (x - mean) * rstd * gamma + beta, mean[..., 0], rstd[..., 0]
-
-
-def _ops_of(fn, *args, jit_compile=False):
-    concrete = tf.function(fn, jit_compile=jit_compile).get_concrete_function(*args)
-    return {op.type for op in concrete.graph.get_operations()}
 
 
 # ---- Forward --------------------------------------------------------------
@@ -135,7 +139,7 @@ def _composite(x, gamma, beta, epsilon=1e-5):
 def test_gradients_match_tensorflow_autodiff(width, shape):
     x, gamma, beta = _inputs(shape + (width,), seed=1)
     upstream = tf.constant(np.random.default_rng(2).normal(size=x.shape).astype("float32"))
-    assert "TfgptLayerNorm" in _ops_of(lambda v: layer_norm(v, gamma, beta, 1e-5), x)
+    assert "TfgptLayerNorm" in traced_op_types(lambda v: layer_norm(v, gamma, beta, 1e-5), x)
     fused = _gradients(lambda *a: layer_norm(*a, 1e-5), x, gamma, beta, upstream)
     composite = _gradients(_composite, x, gamma, beta, upstream)
     for name, a, b in zip(("dx", "dgamma", "dbeta"), fused, composite):
@@ -265,15 +269,15 @@ def test_static_shapes_are_inferred():
 def test_xla_disabled_environment_and_float64_take_keras_ops(monkeypatch):
     x, gamma, beta = _inputs((2, 3, 8))
     fn = lambda v: layer_norm(v, gamma, beta, 1e-5)  # noqa: E731
-    assert "TfgptLayerNorm" in _ops_of(fn, x)
-    assert "TfgptLayerNorm" not in _ops_of(fn, x, jit_compile=True)
+    assert "TfgptLayerNorm" in traced_op_types(fn, x)
+    assert "TfgptLayerNorm" not in traced_op_types(fn, x, jit_compile=True)
     np.testing.assert_allclose(tf.function(fn, jit_compile=True)(x), fn(x), rtol=1e-5, atol=1e-5)
     with kernels.disabled():
-        assert "TfgptLayerNorm" not in _ops_of(fn, x)
+        assert "TfgptLayerNorm" not in traced_op_types(fn, x)
         np.testing.assert_array_equal(fn(x), _composite(x, gamma, beta))
-    assert "TfgptLayerNorm" not in _ops_of(fn, x.astype("float64"))
+    assert "TfgptLayerNorm" not in traced_op_types(fn, x.astype("float64"))
     monkeypatch.setenv("TFGPT_FUSED_KERNELS", "0")
-    assert "TfgptLayerNorm" not in _ops_of(fn, x)
+    assert "TfgptLayerNorm" not in traced_op_types(fn, x)
 
 
 # ---- The Keras layer ------------------------------------------------------
@@ -328,7 +332,7 @@ def test_other_configurations_run_keras_s_call(kwargs):
     for a, b in zip(ours.weights, theirs.weights):
         a.assign(np.random.default_rng(1).normal(size=a.shape))
         b.assign(a)
-    assert "TfgptLayerNorm" not in _ops_of(ours, x)
+    assert "TfgptLayerNorm" not in traced_op_types(ours, x)
     np.testing.assert_array_equal(ours(x), theirs(x))
 
 
@@ -336,7 +340,7 @@ def test_other_configurations_run_keras_s_call(kwargs):
 def test_plain_configuration_takes_the_fused_kernel(axis):
     x, _, _ = _inputs((2, 5, 12))
     layer = LayerNorm(axis=axis, epsilon=1e-5)
-    assert "TfgptLayerNorm" in _ops_of(layer, x)
+    assert "TfgptLayerNorm" in traced_op_types(layer, x)
     reference = keras.layers.LayerNormalization(axis=axis, epsilon=1e-5)
     reference.build(x.shape)
     np.testing.assert_allclose(layer(x), reference(x), rtol=1e-5, atol=1e-5)
@@ -357,19 +361,16 @@ def test_mixed_precision_output_dtype_is_keras_s(input_dtype):
 # ---- Models ---------------------------------------------------------------
 
 
-def _gpt_loss():
+def _gpt_loss_and_gradients():
     from tfgpt import GPT
-    from tfgpt.training.train_step import cross_entropy
 
     model = GPT(vocabulary_size=50, num_layers=2, num_heads=2, hidden_dim=16,
                 intermediate_dim=64, max_sequence_length=12)
-    rng = np.random.default_rng(2)
-    inputs = tf.constant(rng.integers(0, 50, (3, 12)).astype("int32"))
-    targets = tf.constant(rng.integers(0, 50, (3, 12)).astype("int32"))
-    return model, lambda: cross_entropy(targets, model(inputs, training=True))
+    inputs, targets = random_inputs_and_targets(np.random.default_rng(2), 50, (3, 12))
+    return model, gpt_loss_and_gradients(model, inputs, targets)
 
 
-def _bert_loss():
+def _bert_loss_and_gradients():
     from tfgpt import Bert
 
     model = Bert(vocabulary_size=50, num_layers=2, num_heads=2, hidden_dim=16,
@@ -391,35 +392,18 @@ def _bert_loss():
             tf.constant([0, 1, 0]), outputs["nsp_logits"], from_logits=True)
         return tf.reduce_mean(mlm) + tf.reduce_mean(nsp)
 
-    return model, loss
+    return model, loss_and_gradients(model, loss)
 
 
 @pytest.mark.parametrize("family", ["gpt", "bert"])
 @pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
 def test_model_gradients_equal_the_composite_path(family, policy):
-    keras.config.set_dtype_policy(policy)
-    try:
+    with dtype_policy(policy):
         keras.utils.set_random_seed(4)
-        model, loss_fn = (_gpt_loss if family == "gpt" else _bert_loss)()
-
-        def loss_and_gradients():
-            with tf.GradientTape() as tape:
-                loss = loss_fn()
-            return loss, tape.gradient(loss, [v.value for v in model.trainable_variables])
-
-        step = tf.function(loss_and_gradients)
-        fused_loss, fused = step()
-        types = {op.type for op in step.get_concrete_function().graph.get_operations()}
-        assert {"TfgptLayerNorm", "TfgptLayerNormGrad"} <= types
-        with kernels.disabled():
-            composite_step = tf.function(loss_and_gradients)
-            composite_loss, composite = composite_step()
-            graph = composite_step.get_concrete_function().graph
-            assert "TfgptLayerNorm" not in {op.type for op in graph.get_operations()}
-    finally:
-        keras.config.set_dtype_policy("float32")
+        build = _gpt_loss_and_gradients if family == "gpt" else _bert_loss_and_gradients
+        model, step = build()
+        fused, composite = fused_and_composite(model, step)
+    assert {"TfgptLayerNorm", "TfgptLayerNormGrad"} <= fused[2]
+    assert "TfgptLayerNorm" not in composite[2]
     tolerance = dict(rtol=1e-4, atol=1e-5) if policy == "float32" else dict(rtol=0.05, atol=3e-3)
-    np.testing.assert_allclose(fused_loss, composite_loss, **tolerance)
-    for variable, a, b in zip(model.trainable_variables, fused, composite):
-        np.testing.assert_allclose(tf.convert_to_tensor(a), tf.convert_to_tensor(b),
-                                   err_msg=variable.path, **tolerance)
+    assert_same_loss_and_gradients(model, fused, composite, tolerance)

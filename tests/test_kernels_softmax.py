@@ -15,7 +15,14 @@ import tensorflow as tf
 
 from tfgpt import kernels
 from tfgpt.kernels.causal_softmax_kernel import causal_bias, causal_softmax
-from tests.kernel_checks import gpt_loss_and_gradients, traced_op_types
+from tests.kernel_checks import (
+    assert_same_loss_and_gradients,
+    dtype_policy,
+    fused_and_composite,
+    gpt_loss_and_gradients,
+    random_inputs_and_targets,
+    traced_op_types,
+)
 
 FUSED_OPS = {"TfgptCausalSoftmax", "TfgptCausalSoftmaxGrad"}
 
@@ -33,11 +40,6 @@ def _numpy_causal_softmax(scores):
 def _composite(scores):
     with kernels.disabled():
         return causal_softmax(scores)
-
-
-def _op_types(fn, *args, jit_compile=False):
-    concrete = tf.function(fn, jit_compile=jit_compile).get_concrete_function(*args)
-    return {op.type for op in concrete.graph.get_operations()}
 
 
 @pytest.mark.parametrize(
@@ -87,7 +89,7 @@ def test_gradient_matches_autodiff_of_the_composite_path(shape, dtype):
         tape.watch(scores)
         fused = causal_softmax(scores)
         composite = _composite(scores)
-    assert FUSED_OPS <= _op_types(
+    assert FUSED_OPS <= traced_op_types(
         lambda s: tf.gradients(causal_softmax(s), s, upstream)[0], scores
     )
     fused_gradient = tf.cast(tape.gradient(fused, scores, upstream), "float32").numpy()
@@ -143,10 +145,10 @@ def test_causal_bias_constant_and_dynamic_agree():
 
 def test_xla_disabled_and_environment_take_the_composite_ops(monkeypatch):
     scores = tf.ones([2, 4, 4])
-    assert "TfgptCausalSoftmax" in _op_types(causal_softmax, scores)
-    assert "TfgptCausalSoftmax" not in _op_types(causal_softmax, scores, jit_compile=True)
+    assert "TfgptCausalSoftmax" in traced_op_types(causal_softmax, scores)
+    assert "TfgptCausalSoftmax" not in traced_op_types(causal_softmax, scores, jit_compile=True)
     with kernels.disabled():
-        types = _op_types(causal_softmax, scores)
+        types = traced_op_types(causal_softmax, scores)
     assert "TfgptCausalSoftmax" not in types and "Softmax" in types
     # An unknown length at trace time builds the bias from the runtime shape.
     unknown = tf.TensorSpec([None, None, None], "float32")
@@ -155,7 +157,7 @@ def test_xla_disabled_and_environment_take_the_composite_ops(monkeypatch):
     np.testing.assert_allclose(composite(tf.zeros([1, 2, 3])), [[[0.5, 0.5, 0], [1 / 3] * 3]],
                                rtol=1e-6)
     monkeypatch.setenv("TFGPT_FUSED_KERNELS", "0")
-    assert "TfgptCausalSoftmax" not in _op_types(causal_softmax, scores)
+    assert "TfgptCausalSoftmax" not in traced_op_types(causal_softmax, scores)
 
 
 # ---- Inside GPT -------------------------------------------------------------
@@ -172,36 +174,20 @@ def _gpt(dropout=0.0):
 @pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
 @pytest.mark.parametrize("dropout", [0.0, 0.3])
 def test_gpt_loss_and_gradients_equal_the_composite_path(policy, dropout):
-    keras.config.set_dtype_policy(policy)
-    try:
+    with dtype_policy(policy):
         model = _gpt(dropout)
-        rng = np.random.default_rng(5)
-        inputs = tf.constant(rng.integers(0, 50, (2, 11)).astype("int32"))
-        targets = tf.constant(rng.integers(0, 50, (2, 11)).astype("int32"))
-        # Dropout's seed state advances on every call: both paths start from
-        # the same state so that they draw the same masks.
-        seed_states = [v.numpy() for v in model.non_trainable_variables]
-        loss_and_gradients = gpt_loss_and_gradients(model, inputs, targets)
-        step = tf.function(loss_and_gradients)
-        fused_loss, fused = step()
-        types = traced_op_types(step)
-        if policy == "float32" and dropout == 0.0:
-            # The whole attention core is one kernel (tests/test_kernels_attention.py).
-            assert {"TfgptCausalAttention", "TfgptCausalAttentionGrad"} <= types
-        else:
-            assert FUSED_OPS <= types
-        for variable, state in zip(model.non_trainable_variables, seed_states):
-            variable.assign(state)
-        with kernels.disabled():
-            composite_step = tf.function(loss_and_gradients)
-            composite_loss, composite = composite_step()
-        assert not FUSED_OPS & traced_op_types(composite_step)
-    finally:
-        keras.config.set_dtype_policy("float32")
+        inputs, targets = random_inputs_and_targets(np.random.default_rng(5), 50, (2, 11))
+        # With dropout, both paths draw the same masks (fused_and_composite).
+        fused, composite = fused_and_composite(
+            model, gpt_loss_and_gradients(model, inputs, targets))
+    if policy == "float32" and dropout == 0.0:
+        # The whole attention core is one kernel (tests/test_kernels_attention.py).
+        assert {"TfgptCausalAttention", "TfgptCausalAttentionGrad"} <= fused[2]
+    else:
+        assert FUSED_OPS <= fused[2]
+    assert not FUSED_OPS & composite[2]
     tolerance = dict(rtol=1e-4, atol=1e-6) if policy == "float32" else dict(rtol=0.05, atol=3e-3)
-    np.testing.assert_allclose(fused_loss, composite_loss, **tolerance)
-    for a, b in zip(fused, composite):
-        np.testing.assert_allclose(tf.convert_to_tensor(a), tf.convert_to_tensor(b), **tolerance)
+    assert_same_loss_and_gradients(model, fused, composite, tolerance)
 
 
 def test_cached_generation_and_the_forward_pass_are_unchanged():
