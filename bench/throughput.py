@@ -95,6 +95,17 @@ def _serve(run_steps, ready):
                "loss": loss})
 
 
+def _step_runner(step, batches):
+    """`run_steps(count)`: `count` training steps cycling through `batches`; the last loss."""
+
+    def run_steps(count):
+        for index in range(count):
+            metrics = step(*batches[index % len(batches)])
+        return float(metrics["loss"])
+
+    return run_steps
+
+
 def _tf_worker(args, batches):
     if args.tfgpt_path:
         sys.path.insert(0, args.tfgpt_path)
@@ -133,13 +144,7 @@ def _tf_worker(args, batches):
         from tfgpt.layers.transformer_block import set_recompute
 
         set_recompute(model, True)
-    tensors = [(tf.constant(x), tf.constant(y)) for x, y in batches]
-
-    def run_steps(count):
-        for index in range(count):
-            metrics = step(*tensors[index % len(tensors)])
-        return float(metrics["loss"])
-
+    run_steps = _step_runner(step, [(tf.constant(x), tf.constant(y)) for x, y in batches])
     run_steps(args.warmup)
     _serve(run_steps, {
         "parameters": model.count_params(),
@@ -164,13 +169,8 @@ def _torch_worker(args, batches):
     model = TorchGPT(**vars(shape))
     optimizer = make_optimizer(model)
     step = TorchTrainStep(model, optimizer, bfloat16=args.precision == "bf16", compile=args.compile)
-    tensors = [(torch.from_numpy(x).long(), torch.from_numpy(y).long()) for x, y in batches]
-
-    def run_steps(count):
-        for index in range(count):
-            metrics = step(*tensors[index % len(tensors)])
-        return float(metrics["loss"])
-
+    run_steps = _step_runner(
+        step, [(torch.from_numpy(x).long(), torch.from_numpy(y).long()) for x, y in batches])
     run_steps(args.warmup)
     _serve(run_steps, {
         "parameters": sum(p.numel() for p in model.parameters()),
