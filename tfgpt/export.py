@@ -34,6 +34,7 @@ import argparse
 import sys
 
 from tfgpt.cli import HelpFormatter
+from tfgpt.generate import add_sampling_flags
 
 
 def parse_args(argv=None):
@@ -52,18 +53,7 @@ def parse_args(argv=None):
         "--max-new-tokens", type=int, required=True, metavar="N",
         help="tokens the exported model generates per prompt (baked in)",
     )
-    parser.add_argument(
-        "--temperature", type=float, default=0.0, metavar="T",
-        help="sampling temperature; 0 picks the most likely token (greedy)",
-    )
-    parser.add_argument(
-        "--top-k", type=int, default=0, metavar="K",
-        help="sample among the K most likely tokens only; 0 is off",
-    )
-    parser.add_argument(
-        "--top-p", type=float, default=1.0, metavar="P",
-        help="sample among the most likely tokens whose probabilities sum to P; 1 is off",
-    )
+    add_sampling_flags(parser)
     parser.add_argument(
         "--seed", type=int, default=0,
         help="seed of the sampling: the same prompt gets the same completion",

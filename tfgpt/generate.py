@@ -19,6 +19,24 @@ import time
 from tfgpt.cli import HelpFormatter
 
 
+def add_sampling_flags(parser):
+    """`--temperature`, `--top-k` and `--top-p`: the sampling flags of
+    `python -m tfgpt.generate` and `python -m tfgpt.export`."""
+    parser.add_argument(
+        "--temperature", type=float, default=0.0, metavar="T",
+        help="sampling temperature; 0 picks the most likely token (greedy)",
+    )
+    parser.add_argument(
+        "--top-k", type=int, default=0, metavar="K",
+        help="sample among the K most likely tokens only; 0 is off",
+    )
+    parser.add_argument(
+        "--top-p", type=float, default=1.0, metavar="P",
+        help="sample among the most likely tokens whose probabilities sum to P "
+        "(nucleus sampling); 1 is off",
+    )
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         prog="python -m tfgpt.generate", description=__doc__, formatter_class=HelpFormatter
@@ -35,19 +53,7 @@ def parse_args(argv=None):
         "--max-new-tokens", type=int, default=50, metavar="N",
         help="tokens to generate after each prompt",
     )
-    parser.add_argument(
-        "--temperature", type=float, default=0.0, metavar="T",
-        help="sampling temperature; 0 picks the most likely token (greedy)",
-    )
-    parser.add_argument(
-        "--top-k", type=int, default=0, metavar="K",
-        help="sample among the K most likely tokens only; 0 is off",
-    )
-    parser.add_argument(
-        "--top-p", type=float, default=1.0, metavar="P",
-        help="sample among the most likely tokens whose probabilities sum to P "
-        "(nucleus sampling); 1 is off",
-    )
+    add_sampling_flags(parser)
     parser.add_argument(
         "--seed", type=int, default=None,
         help="random seed of the sampling, for a repeatable run; unset: a fresh one",
