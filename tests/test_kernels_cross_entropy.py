@@ -6,13 +6,8 @@ import pytest
 import tensorflow as tf
 
 from tfgpt import kernels
-from tests.kernel_checks import (
-    assert_same_loss_and_gradients,
-    dtype_policy,
-    fused_and_composite,
-    gpt_loss_and_gradients,
-    random_inputs_and_targets,
-)
+from tests.kernel_checks import (assert_same_loss_and_gradients, dtype_policy, fused_and_composite,
+                                 gpt_loss_and_gradients, random_inputs_and_targets)
 from tfgpt.training.train_step import cross_entropy
 
 
