@@ -29,9 +29,14 @@ import random
 import numpy as np
 import tensorflow as tf
 
+from tfgpt.config.checks import require_int_at_least
+
 # Prompt lengths are padded up to a multiple of this under XLA, whose
 # compilations are per shape.
 XLA_LENGTH_BUCKET = 16
+
+# What the integer arguments accept: Python's ints and NumPy's.
+_INTEGERS = (int, np.integer)
 
 
 def generate(
@@ -390,7 +395,7 @@ def validate_arguments(model, prompts, max_new_tokens, temperature, top_k, top_p
                 f"Every prompt needs at least one token. Received: prompt {index} is empty"
             )
         for value in row:
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            if isinstance(value, bool) or not isinstance(value, _INTEGERS):
                 raise ValueError(
                     f"Token ids must be integers. Received: {value!r} in prompt {index}"
                 )
@@ -399,10 +404,7 @@ def validate_arguments(model, prompts, max_new_tokens, temperature, top_k, top_p
                     "Token id outside the vocabulary. Received: "
                     f"id {value} in prompt {index}, vocabulary_size={model.vocabulary_size}"
                 )
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-        raise ValueError(
-            f"`max_new_tokens` must be a positive integer. Received: max_new_tokens={max_new_tokens!r}"
-        )
+    require_int_at_least("max_new_tokens", max_new_tokens, 1, "a positive integer", _INTEGERS)
     longest = max(len(row) for row in prompts)
     if longest + max_new_tokens > model.max_sequence_length:
         raise ValueError(
@@ -416,20 +418,17 @@ def validate_arguments(model, prompts, max_new_tokens, temperature, top_k, top_p
             "`temperature` must be a number >= 0 (0 is greedy). "
             f"Received: temperature={temperature!r}"
         )
-    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 0:
-        raise ValueError(
-            f"`top_k` must be an integer >= 0 (0 is off). Received: top_k={top_k!r}"
-        )
+    require_int_at_least("top_k", top_k, 0, "an integer >= 0 (0 is off)", _INTEGERS)
     if not isinstance(top_p, (int, float, np.number)) or not 0 < top_p <= 1:
         raise ValueError(f"`top_p` must be in (0, 1] (1 is off). Received: top_p={top_p!r}")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, _INTEGERS)):
         raise ValueError(f"`seed` must be an integer or None. Received: seed={seed!r}")
 
 
 def _stop_ids(model, stop_token_ids):
     if stop_token_ids is None:
         return []
-    if isinstance(stop_token_ids, (int, np.integer)):
+    if isinstance(stop_token_ids, _INTEGERS):
         stop_token_ids = [stop_token_ids]
     stop_token_ids = [int(value) for value in stop_token_ids]
     for value in stop_token_ids:

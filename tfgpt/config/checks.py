@@ -4,11 +4,19 @@ Each raises ValueError naming the argument and echoing what it received.
 """
 
 
+def require_int_at_least(name, value, minimum, wanted=None, types=int):
+    """An instance of `types` (never a bool) of at least `minimum`.
+
+    The message says the argument must be `wanted`, by default
+    "an integer >= minimum".
+    """
+    if isinstance(value, bool) or not isinstance(value, types) or value < minimum:
+        wanted = wanted or f"an integer >= {minimum}"
+        raise ValueError(f"`{name}` must be {wanted}. Received: {name}={value!r}")
+
+
 def require_positive_int(name, value):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(
-            f"`{name}` must be a positive integer. Received: {name}={value!r}"
-        )
+    require_int_at_least(name, value, 1, "a positive integer")
 
 
 def _is_number(value):

@@ -10,6 +10,7 @@ from tfgpt.kernels.causal_attention_kernel import (
     causal_attention_available,
 )
 from tfgpt.kernels.causal_softmax_kernel import causal_softmax
+from tfgpt.layers.configured_layer import normal_initializer
 from tfgpt.layers.self_attention_base import MASKED_SCORE, SelfAttentionBase
 
 try:  # Private, long-stable TF API; without it every write takes the XLA op.
@@ -71,7 +72,7 @@ class CausalSelfAttention(SelfAttentionBase):
 
     def __init__(self, hidden_dim, num_heads, dropout=0.0, **kwargs):
         super().__init__(hidden_dim, num_heads, dropout=dropout, **kwargs)
-        initializer = keras.initializers.RandomNormal(stddev=0.02)
+        initializer = normal_initializer()
         self.query_key_value = self._dense(3 * hidden_dim, "query_key_value", initializer)
         self._add_output_layers(initializer)
 

@@ -3,9 +3,12 @@
 import keras
 import tensorflow as tf
 
+from tfgpt.config.checks import require_fraction, require_int_at_least
+from tfgpt.layers.configured_layer import ConfiguredLayer
+
 
 @keras.saving.register_keras_serializable(package="tfgpt")
-class ClassificationHead(keras.layers.Layer):
+class ClassificationHead(ConfiguredLayer):
     """Maps a pooled sequence vector (B, C) to class logits (B, num_classes).
 
     Used for BERT's next-sentence prediction and ALBERT's sentence-order
@@ -25,23 +28,13 @@ class ClassificationHead(keras.layers.Layer):
 
     def __init__(self, num_classes, dropout=0.0, **kwargs):
         super().__init__(**kwargs)
-        if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 2:
-            raise ValueError(
-                f"`num_classes` must be an integer >= 2. Received: num_classes={num_classes!r}"
-            )
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"`dropout` must be in [0, 1). Received: dropout={dropout!r}")
-        self.num_classes = num_classes
-        self.dropout = dropout
+        require_int_at_least("num_classes", num_classes, 2)
+        require_fraction("dropout", dropout)
+        self.record_config(num_classes=num_classes, dropout=dropout)
         self.input_dropout = keras.layers.Dropout(
             dropout, dtype=self.dtype_policy, name="input_dropout"
         )
-        self.classifier = keras.layers.Dense(
-            num_classes,
-            kernel_initializer=keras.initializers.RandomNormal(stddev=0.02),
-            dtype=self.dtype_policy,
-            name="classifier",
-        )
+        self.classifier = self._dense(num_classes, "classifier")
 
     def build(self, input_shape):
         self.classifier.build(input_shape)
@@ -51,8 +44,3 @@ class ClassificationHead(keras.layers.Layer):
         """Returns float32 logits (B, num_classes) for `inputs` (B, C)."""
         x = self.input_dropout(inputs, training=training)
         return tf.cast(self.classifier(x), "float32")  # (B, K)
-
-    def get_config(self):
-        config = super().get_config()
-        config.update(num_classes=self.num_classes, dropout=self.dropout)
-        return config

@@ -3,11 +3,12 @@
 import keras
 import tensorflow as tf
 
+from tfgpt.layers.configured_layer import ConfiguredLayer
 from tfgpt.layers.layer_norm import LayerNorm
 
 
 @keras.saving.register_keras_serializable(package="tfgpt")
-class EncoderEmbedding(keras.layers.Layer):
+class EncoderEmbedding(ConfiguredLayer):
     """Sums token, learned position and segment embeddings, then normalises.
 
     `layer_norm(token[ids] + position[0..T) + segment[segment_ids])`, then
@@ -39,26 +40,20 @@ class EncoderEmbedding(keras.layers.Layer):
         **kwargs,
     ):
         super().__init__(**kwargs)
-        self.vocabulary_size = vocabulary_size
-        self.max_sequence_length = max_sequence_length
-        self.num_segments = num_segments
-        self.embedding_dim = embedding_dim
-        self.dropout = dropout
-        self.layer_norm_epsilon = layer_norm_epsilon
+        self.record_config(
+            vocabulary_size=vocabulary_size,
+            max_sequence_length=max_sequence_length,
+            num_segments=num_segments,
+            embedding_dim=embedding_dim,
+            dropout=dropout,
+            layer_norm_epsilon=layer_norm_epsilon,
+        )
         policy = self.dtype_policy
-
-        def embedding(rows, name):
-            return keras.layers.Embedding(
-                rows,
-                embedding_dim,
-                embeddings_initializer=keras.initializers.RandomNormal(stddev=0.02),
-                dtype=policy,
-                name=name,
-            )
-
-        self.token_embedding = embedding(vocabulary_size, "token_embedding")
-        self.position_embedding = embedding(max_sequence_length, "position_embedding")
-        self.segment_embedding = embedding(num_segments, "segment_embedding")
+        self.token_embedding = self._embedding(vocabulary_size, embedding_dim, "token_embedding")
+        self.position_embedding = self._embedding(
+            max_sequence_length, embedding_dim, "position_embedding"
+        )
+        self.segment_embedding = self._embedding(num_segments, embedding_dim, "segment_embedding")
         self.embedding_norm = LayerNorm(
             epsilon=layer_norm_epsilon, dtype=policy, name="embedding_norm"
         )
@@ -107,15 +102,3 @@ class EncoderEmbedding(keras.layers.Layer):
             embedded = embedded + segment_zero
         embedded = self.embedding_norm(embedded)
         return self.embedding_dropout(embedded, training=training)  # (B, T, E)
-
-    def get_config(self):
-        config = super().get_config()
-        config.update(
-            vocabulary_size=self.vocabulary_size,
-            max_sequence_length=self.max_sequence_length,
-            num_segments=self.num_segments,
-            embedding_dim=self.embedding_dim,
-            dropout=self.dropout,
-            layer_norm_epsilon=self.layer_norm_epsilon,
-        )
-        return config

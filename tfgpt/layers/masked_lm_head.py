@@ -4,11 +4,12 @@ import keras
 import tensorflow as tf
 
 from tfgpt.layers.activated_dense import ActivatedDense
+from tfgpt.layers.configured_layer import ConfiguredLayer
 from tfgpt.layers.layer_norm import LayerNorm
 
 
 @keras.saving.register_keras_serializable(package="tfgpt")
-class MaskedLMHead(keras.layers.Layer):
+class MaskedLMHead(ConfiguredLayer):
     """Predicts the original token at masked positions (Devlin et al. 2019).
 
     `logits = layer_norm(act(dense(h))) @ token_embedding.T + bias`: a dense
@@ -41,20 +42,17 @@ class MaskedLMHead(keras.layers.Layer):
         **kwargs,
     ):
         super().__init__(**kwargs)
-        self.vocabulary_size = vocabulary_size
-        self.embedding_dim = embedding_dim
-        self.activation = activation
-        self.layer_norm_epsilon = layer_norm_epsilon
-        policy = self.dtype_policy
-        self.transform = ActivatedDense(
-            embedding_dim,
+        self.record_config(
+            vocabulary_size=vocabulary_size,
+            embedding_dim=embedding_dim,
             activation=activation,
-            kernel_initializer=keras.initializers.RandomNormal(stddev=0.02),
-            dtype=policy,
-            name="transform",
+            layer_norm_epsilon=layer_norm_epsilon,
+        )
+        self.transform = self._dense(
+            embedding_dim, "transform", dense_class=ActivatedDense, activation=activation
         )
         self.transform_norm = LayerNorm(
-            epsilon=layer_norm_epsilon, dtype=policy, name="transform_norm"
+            epsilon=layer_norm_epsilon, dtype=self.dtype_policy, name="transform_norm"
         )
 
     def build(self, input_shape):
@@ -86,13 +84,3 @@ class MaskedLMHead(keras.layers.Layer):
         logits = tf.matmul(x, table, transpose_b=True)  # (B, P, V)
         logits = tf.cast(logits, "float32") + tf.cast(self.output_bias, "float32")
         return logits
-
-    def get_config(self):
-        config = super().get_config()
-        config.update(
-            vocabulary_size=self.vocabulary_size,
-            embedding_dim=self.embedding_dim,
-            activation=self.activation,
-            layer_norm_epsilon=self.layer_norm_epsilon,
-        )
-        return config

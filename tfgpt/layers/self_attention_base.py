@@ -4,6 +4,7 @@ import keras
 import tensorflow as tf
 
 from tfgpt.config.checks import require_divisible
+from tfgpt.layers.configured_layer import ConfiguredLayer
 
 # The score of a key a query may not attend to: a large finite negative
 # rather than -inf, so that a row with no such key (a padding query) gives a
@@ -11,7 +12,7 @@ from tfgpt.config.checks import require_divisible
 MASKED_SCORE = -1e9
 
 
-class SelfAttentionBase(keras.layers.Layer):
+class SelfAttentionBase(ConfiguredLayer):
     """Multi-head self-attention's shared parts (Vaswani et al. 2017).
 
     Heads of width `hidden_dim // num_heads`, dropout on the attention
@@ -31,23 +32,8 @@ class SelfAttentionBase(keras.layers.Layer):
     def __init__(self, hidden_dim, num_heads, dropout=0.0, **kwargs):
         super().__init__(**kwargs)
         require_divisible("hidden_dim", hidden_dim, "num_heads", num_heads)
-        self.hidden_dim = hidden_dim
-        self.num_heads = num_heads
+        self.record_config(hidden_dim=hidden_dim, num_heads=num_heads, dropout=dropout)
         self.head_dim = hidden_dim // num_heads
-        self.dropout = dropout
-
-    def _dense(self, units, name, initializer=None):
-        """A projection; with `initializer=None` one of its own.
-
-        (An unseeded Keras initializer draws its seed when it is created, so
-        layers that share one start from the same random stream.)
-        """
-        return keras.layers.Dense(
-            units,
-            kernel_initializer=initializer or keras.initializers.RandomNormal(stddev=0.02),
-            dtype=self.dtype_policy,
-            name=name,
-        )
 
     def _add_output_layers(self, initializer=None):
         self.output_projection = self._dense(self.hidden_dim, "output_projection", initializer)
@@ -68,12 +54,3 @@ class SelfAttentionBase(keras.layers.Layer):
         attended = tf.transpose(attended, [0, 2, 1, 3])  # (B, T, H, D)
         attended = tf.reshape(attended, [batch_size, length, self.hidden_dim])  # (B, T, C)
         return self.output_projection(attended)  # (B, T, C)
-
-    def get_config(self):
-        config = super().get_config()
-        config.update(
-            hidden_dim=self.hidden_dim,
-            num_heads=self.num_heads,
-            dropout=self.dropout,
-        )
-        return config

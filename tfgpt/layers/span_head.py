@@ -3,9 +3,11 @@
 import keras
 import tensorflow as tf
 
+from tfgpt.layers.configured_layer import ConfiguredLayer
+
 
 @keras.saving.register_keras_serializable(package="tfgpt")
-class SpanHead(keras.layers.Layer):
+class SpanHead(ConfiguredLayer):
     """Scores every token as the start and as the end of the answer span.
 
     One dense layer of width 2 on the sequence output (Devlin et al. 2019,
@@ -24,12 +26,7 @@ class SpanHead(keras.layers.Layer):
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self.span_logits = keras.layers.Dense(
-            2,
-            kernel_initializer=keras.initializers.RandomNormal(stddev=0.02),
-            dtype=self.dtype_policy,
-            name="span_logits",
-        )
+        self.span_logits = self._dense(2, "span_logits")
 
     def build(self, input_shape):
         self.span_logits.build(input_shape)

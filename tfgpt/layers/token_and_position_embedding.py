@@ -3,9 +3,11 @@
 import keras
 import tensorflow as tf
 
+from tfgpt.layers.configured_layer import ConfiguredLayer, normal_initializer
+
 
 @keras.saving.register_keras_serializable(package="tfgpt")
-class TokenAndPositionEmbedding(keras.layers.Layer):
+class TokenAndPositionEmbedding(ConfiguredLayer):
     """Sums a token embedding and a learned position embedding (GPT-2's wte + wpe).
 
     Args:
@@ -25,24 +27,18 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
         self, vocabulary_size, max_sequence_length, hidden_dim, dropout=0.0, **kwargs
     ):
         super().__init__(**kwargs)
-        self.vocabulary_size = vocabulary_size
-        self.max_sequence_length = max_sequence_length
-        self.hidden_dim = hidden_dim
-        self.dropout = dropout
-        initializer = keras.initializers.RandomNormal(stddev=0.02)
-        self.token_embedding = keras.layers.Embedding(
-            vocabulary_size,
-            hidden_dim,
-            embeddings_initializer=initializer,
-            dtype=self.dtype_policy,
-            name="token_embedding",
+        self.record_config(
+            vocabulary_size=vocabulary_size,
+            max_sequence_length=max_sequence_length,
+            hidden_dim=hidden_dim,
+            dropout=dropout,
         )
-        self.position_embedding = keras.layers.Embedding(
-            max_sequence_length,
-            hidden_dim,
-            embeddings_initializer=initializer,
-            dtype=self.dtype_policy,
-            name="position_embedding",
+        initializer = normal_initializer()
+        self.token_embedding = self._embedding(
+            vocabulary_size, hidden_dim, "token_embedding", initializer
+        )
+        self.position_embedding = self._embedding(
+            max_sequence_length, hidden_dim, "position_embedding", initializer
         )
         self.embedding_dropout = keras.layers.Dropout(
             dropout, dtype=self.dtype_policy, name="embedding_dropout"
@@ -89,13 +85,3 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
         )
         embedded = self.token_embedding(token_ids) + self.position_embedding(positions)
         return self.embedding_dropout(embedded, training=training)  # (B, T, C)
-
-    def get_config(self):
-        config = super().get_config()
-        config.update(
-            vocabulary_size=self.vocabulary_size,
-            max_sequence_length=self.max_sequence_length,
-            hidden_dim=self.hidden_dim,
-            dropout=self.dropout,
-        )
-        return config

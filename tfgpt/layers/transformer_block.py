@@ -6,6 +6,7 @@ import tensorflow as tf
 from tfgpt.config.checks import require_one_of
 from tfgpt.layers.activated_dense import ActivatedDense
 from tfgpt.layers.causal_self_attention import CausalSelfAttention
+from tfgpt.layers.configured_layer import ConfiguredLayer, normal_initializer
 from tfgpt.layers.layer_norm import LayerNorm
 from tfgpt.layers.self_attention import SelfAttention
 
@@ -14,7 +15,7 @@ ATTENTION_LAYERS = {"causal": CausalSelfAttention, "bidirectional": SelfAttentio
 
 
 @keras.saving.register_keras_serializable(package="tfgpt")
-class TransformerBlock(keras.layers.Layer):
+class TransformerBlock(ConfiguredLayer):
     """A transformer block with residual connections (Vaswani et al. 2017).
 
     Pre-layer-norm (`norm_first=True`: GPT-2; Xiong et al. 2020):
@@ -78,15 +79,18 @@ class TransformerBlock(keras.layers.Layer):
     ):
         super().__init__(**kwargs)
         require_one_of("attention", attention, ATTENTION_LAYERS)
-        self.hidden_dim = hidden_dim
-        self.num_heads = num_heads
-        self.intermediate_dim = intermediate_dim
+        self.record_config(
+            hidden_dim=hidden_dim,
+            num_heads=num_heads,
+            intermediate_dim=intermediate_dim,
+            dropout=dropout,
+            activation=activation,
+            norm_first=norm_first,
+            layer_norm_epsilon=layer_norm_epsilon,
+        )
+        # The attribute `attention` is the attention layer, built below.
         self.attention_kind = attention
-        self.dropout = dropout
-        self.activation = activation
-        self.norm_first = norm_first
-        self.layer_norm_epsilon = layer_norm_epsilon
-        initializer = keras.initializers.RandomNormal(stddev=0.02)
+        initializer = normal_initializer()
         policy = self.dtype_policy
         self.attention_norm = LayerNorm(
             epsilon=layer_norm_epsilon, dtype=policy, name="attention_norm"
@@ -100,19 +104,14 @@ class TransformerBlock(keras.layers.Layer):
         self.feedforward_norm = LayerNorm(
             epsilon=layer_norm_epsilon, dtype=policy, name="feedforward_norm"
         )
-        self.feedforward_intermediate = ActivatedDense(
+        self.feedforward_intermediate = self._dense(
             intermediate_dim,
+            "feedforward_intermediate",
+            initializer,
+            dense_class=ActivatedDense,
             activation=activation,
-            kernel_initializer=initializer,
-            dtype=policy,
-            name="feedforward_intermediate",
         )
-        self.feedforward_output = keras.layers.Dense(
-            hidden_dim,
-            kernel_initializer=initializer,
-            dtype=policy,
-            name="feedforward_output",
-        )
+        self.feedforward_output = self._dense(hidden_dim, "feedforward_output", initializer)
         self.feedforward_dropout = keras.layers.Dropout(
             dropout, dtype=policy, name="feedforward_dropout"
         )
@@ -198,18 +197,7 @@ class TransformerBlock(keras.layers.Layer):
         return x
 
     def get_config(self):
-        config = super().get_config()
-        config.update(
-            hidden_dim=self.hidden_dim,
-            num_heads=self.num_heads,
-            intermediate_dim=self.intermediate_dim,
-            attention=self.attention_kind,
-            dropout=self.dropout,
-            activation=self.activation,
-            norm_first=self.norm_first,
-            layer_norm_epsilon=self.layer_norm_epsilon,
-        )
-        return config
+        return {**super().get_config(), "attention": self.attention_kind}
 
 
 def set_recompute(model, enabled):

@@ -5,6 +5,9 @@ import math
 import keras
 import tensorflow as tf
 
+from tfgpt.config.checks import require_one_of
+from tfgpt.config.training import SCHEDULES
+
 
 @keras.saving.register_keras_serializable(package="tfgpt")
 class WarmupDecay(keras.optimizers.schedules.LearningRateSchedule):
@@ -24,10 +27,7 @@ class WarmupDecay(keras.optimizers.schedules.LearningRateSchedule):
     """
 
     def __init__(self, peak, warmup_steps, total_steps, decay="cosine", final_ratio=0.1):
-        if decay not in ("cosine", "linear", "constant"):
-            raise ValueError(
-                f"`decay` must be cosine, linear or constant. Received: decay={decay!r}"
-            )
+        require_one_of("decay", decay, SCHEDULES)
         if warmup_steps > total_steps:
             raise ValueError(
                 "`warmup_steps` must not exceed `total_steps`. "

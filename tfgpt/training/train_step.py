@@ -6,6 +6,7 @@ import keras
 import tensorflow as tf
 
 from tfgpt import kernels
+from tfgpt.config.checks import require_positive_int
 
 
 def cross_entropy(targets, logits, weights=None):
@@ -109,11 +110,8 @@ class TrainStep:
         self, model, optimizer, distribution, loss_fn=causal_lm_loss, xla=False,
         accumulation_steps=1, towers=1,
     ):
-        for name, value in (("accumulation_steps", accumulation_steps), ("towers", towers)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(
-                    f"`{name}` must be a positive integer. Received: {name}={value!r}"
-                )
+        require_positive_int("accumulation_steps", accumulation_steps)
+        require_positive_int("towers", towers)
         self.model = model
         self.optimizer = optimizer
         self.distribution = distribution

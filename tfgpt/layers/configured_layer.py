@@ -1,0 +1,58 @@
+"""Base of tfgpt's layers: get_config() from the recorded constructor arguments."""
+
+import keras
+
+
+def normal_initializer():
+    """The models' weight initializer: normal, standard deviation 0.02 (GPT-2, BERT).
+
+    (An unseeded Keras initializer draws its seed when it is created, so
+    layers that share one start from the same random stream.)
+    """
+    return keras.initializers.RandomNormal(stddev=0.02)
+
+
+class ConfiguredLayer(keras.layers.Layer):
+    """A layer whose `get_config()` is Keras's plus the arguments it records.
+
+    A subclass calls `self.record_config(name=value, ...)` once in its
+    constructor, with its constructor arguments: each becomes an attribute of
+    its own name, and `get_config()` returns them under that name, so
+    `from_config` and `.keras` files rebuild the layer through the same
+    constructor (the layers' counterpart of `ConfiguredModel`). Its sublayers
+    take the layer's dtype policy and `normal_initializer()` from `_dense`
+    and `_embedding`.
+    """
+
+    # The names `record_config` was given, in order.
+    _config_names = ()
+
+    def record_config(self, **arguments):
+        for name, value in arguments.items():
+            setattr(self, name, value)
+        self._config_names = tuple(arguments)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update({name: getattr(self, name) for name in self._config_names})
+        return config
+
+    def _dense(self, units, name, initializer=None, dense_class=keras.layers.Dense, **kwargs):
+        """A `dense_class` projection; with `initializer=None` one of its own."""
+        return dense_class(
+            units,
+            kernel_initializer=initializer or normal_initializer(),
+            dtype=self.dtype_policy,
+            name=name,
+            **kwargs,
+        )
+
+    def _embedding(self, rows, width, name, initializer=None):
+        """A (rows, width) embedding table; with `initializer=None` one of its own."""
+        return keras.layers.Embedding(
+            rows,
+            width,
+            embeddings_initializer=initializer or normal_initializer(),
+            dtype=self.dtype_policy,
+            name=name,
+        )
