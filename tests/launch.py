@@ -1,4 +1,5 @@
-"""Starting real worker processes from tests, with a bound on their time."""
+"""Starting real worker processes from tests, with a bound on their time, and
+reading the training losses their runs logged."""
 
 import json
 import os
@@ -93,3 +94,24 @@ def multi_worker(count, *command, timeout=TIMEOUT_SECONDS):
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGKILL)
     return [(process.returncode, output) for process, output in zip(processes, outputs)]
+
+
+def train_losses(run_dir):
+    """The training loss a run logged at each step, from its metrics.jsonl."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if r["split"] == "train"}
+
+
+def assert_same_train_losses(reference, others, steps, tolerance):
+    """The run `reference` logged a training loss at each of the steps 1 to
+    `steps`, and each run of `others` the same losses within `tolerance`.
+
+    Returns the reference's losses by step.
+    """
+    expected = train_losses(reference)
+    assert sorted(expected) == list(range(1, steps + 1))
+    for other in others:
+        losses = train_losses(other)
+        for step in expected:
+            assert losses[step] == pytest.approx(expected[step], abs=tolerance), (other.name, step)
+    return expected

@@ -1,4 +1,5 @@
-"""Small generated corpora with learnable patterns, for training tests."""
+"""Small generated corpora with learnable patterns, for training tests, and
+their prepared data directories."""
 
 import random
 
@@ -29,3 +30,12 @@ def repeated_letter_corpus(path, documents=600, seed=0):
                      for _ in range(rng.randint(3, 6))]
         docs.append(" ".join(sentences))
     path.write_text("\n\n".join(docs) + "\n")
+
+
+def prepared(corpus, output, *flags):
+    """Runs `python -m pipelines.prepare --input corpus --output output *flags`
+    in this process; returns `output`."""
+    from pipelines import prepare
+
+    assert prepare.main(["--input", str(corpus), "--output", str(output), *map(str, flags)]) == 0
+    return output

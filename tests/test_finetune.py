@@ -14,7 +14,9 @@ import sys
 import numpy as np
 import pytest
 
-from tests.launch import REPO, horovodrun, multi_worker, run
+from tests.launch import (REPO, assert_same_train_losses, horovodrun, multi_worker, run,
+                          train_losses)
+from tests.synthetic import prepared
 
 TINY_BERT = ["--preset", "bert-demo", "--num-layers", "2", "--hidden-dim", "32",
              "--num-heads", "2", "--intermediate-dim", "48", "--max-sequence-length", "48"]
@@ -38,18 +40,16 @@ def pretraining_corpus(path, documents=300, seed=0):
 @pytest.fixture(scope="module")
 def encoder_run(tmp_path_factory):
     """A tiny BERT pretraining run directory: config.json, ckpt-10, tokenizer.model."""
-    from pipelines import prepare
     from tfgpt.distributed import LocalDistribution
     from tfgpt.training.flags import parse_flags
     from tfgpt.training.trainer import train
 
     root = tmp_path_factory.mktemp("encoder")
     pretraining_corpus(root / "corpus.txt")
-    assert prepare.main(["--input", str(root / "corpus.txt"), "--output", str(root / "data"),
-                         "--format", "encoder", "--seq-len", "32", "--vocab-size", "400",
-                         "--val-fraction", "0.1"]) == 0
+    data = prepared(root / "corpus.txt", root / "data", "--format", "encoder", "--seq-len", "32",
+                    "--vocab-size", "400", "--val-fraction", "0.1")
     train_config, overrides = parse_flags([
-        "--data", str(root / "data"), "--out", str(root / "run"), *TINY_BERT,
+        "--data", str(data), "--out", str(root / "run"), *TINY_BERT,
         "--steps", "10", "--batch-size", "8", "--log-every", "5", "--eval-batches", "1",
         "--peak-flops", "1e10",
     ])
@@ -110,11 +110,6 @@ def _finetune(argv):
 
     config, overrides = parse_flags([str(arg) for arg in argv])
     return finetune(config, overrides, LocalDistribution())
-
-
-def _train_losses(out):
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in records if r["split"] == "train"}
 
 
 # ---- Classification ---------------------------------------------------------
@@ -205,8 +200,8 @@ def test_resuming_continues_exactly(encoder_run, sst2, tmp_path):
     resumed, _ = _finetune([*flags, "--out", tmp_path / "resumed", "--steps", "6", "--resume"])
     for a, b in zip(straight.weights, resumed.weights):
         np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-6, err_msg=a.path)
-    assert _train_losses(tmp_path / "resumed")[6] == pytest.approx(
-        _train_losses(tmp_path / "straight")[6], abs=1e-6)
+    assert train_losses(tmp_path / "resumed")[6] == pytest.approx(
+        train_losses(tmp_path / "straight")[6], abs=1e-6)
 
 
 # ---- SQuAD ------------------------------------------------------------------
@@ -251,7 +246,7 @@ def test_squad_end_to_end_scores_equal_the_official_metrics(encoder_run, tmp_pat
         "--learning-rate", "2e-3", "--weight-decay", "0", "--max-sequence-length", "24",
         "--max-query-length", "10", "--doc-stride", "6", "--log-every", "10",
     ])
-    losses = _train_losses(out)
+    losses = train_losses(out)
     assert losses[40] < losses[1]
     file_version, examples = read_squad(str(dev_file))
     predictions = json.loads((out / "predictions.json").read_text())
@@ -312,12 +307,9 @@ def test_horovod_and_mirrored_match_one_process_and_keep_replicas_identical(
         np.testing.assert_array_equal(replicas[f"replica_0_{key}"], replicas[f"replica_1_{key}"])
 
     # Float32 sums in another order: the losses agree to 1e-4 over 6 updates.
-    single = _train_losses(tmp_path / "single")
-    assert sorted(single) == [1, 2, 3, 4, 5, 6]
+    assert_same_train_losses(
+        tmp_path / "single", [tmp_path / "hvd", tmp_path / "mirrored"], steps=6, tolerance=1e-4)
     for name in ("hvd", "mirrored"):
-        other = _train_losses(tmp_path / name)
-        for step in single:
-            assert other[step] == pytest.approx(single[step], abs=1e-4), (name, step)
         results = json.loads((tmp_path / name / "eval_results.json").read_text())
         # Each worker evaluated half of dev.tsv; together, all of it.
         assert results["total"] == 48

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from tests.launch import REPO, horovodrun, run
-from tests.synthetic import repeated_letter_corpus
+from tests.synthetic import pattern_corpus, prepared, repeated_letter_corpus
 
 TINY_ALBERT = ["--preset", "albert-demo", "--num-layers", "2", "--hidden-dim", "64",
                "--num-heads", "4", "--intermediate-dim", "128", "--embedding-dim", "32",
@@ -18,14 +18,10 @@ TINY_BERT = ["--preset", "bert-demo", "--num-layers", "2", "--hidden-dim", "32",
 
 @pytest.fixture(scope="module")
 def encoder_data(tmp_path_factory):
-    from pipelines import prepare
-
     root = tmp_path_factory.mktemp("encoder")
     repeated_letter_corpus(root / "corpus.txt")
-    assert prepare.main(["--input", str(root / "corpus.txt"), "--output", str(root / "data"),
-                         "--format", "encoder", "--seq-len", "32", "--vocab-size", "300",
-                         "--val-fraction", "0.1"]) == 0
-    return root / "data"
+    return prepared(root / "corpus.txt", root / "data", "--format", "encoder", "--seq-len", "32",
+                    "--vocab-size", "300", "--val-fraction", "0.1")
 
 
 def _train(argv):
@@ -88,11 +84,7 @@ def test_task_and_family_mismatches_are_flag_errors(flags, message, tmp_path):
 
 
 def test_masked_lm_on_packed_data_names_the_format(tmp_path):
-    from tests.synthetic import pattern_corpus
-    from pipelines import prepare
-
     pattern_corpus(tmp_path / "corpus.txt", documents=100)
-    assert prepare.main(["--input", str(tmp_path / "corpus.txt"), "--output", str(tmp_path / "d"),
-                         "--seq-len", "16", "--vocab-size", "300"]) == 0
+    prepared(tmp_path / "corpus.txt", tmp_path / "d", "--seq-len", "16", "--vocab-size", "300")
     with pytest.raises(ValueError, match=r"--task mlm\+sop reads 'tfgpt-encoder-segments'.*--format encoder"):
         _train(["--data", str(tmp_path / "d"), "--out", str(tmp_path / "run"), *TINY_ALBERT])

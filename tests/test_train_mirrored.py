@@ -6,9 +6,10 @@ import sys
 import numpy as np
 import pytest
 
-from tests.launch import REPO, horovodrun, multi_worker, run
-from tests.synthetic import pattern_corpus
-from tests.test_train_hvd import TINY_MODEL, _checkpoint_tensors, _train_losses
+from tests.launch import (REPO, assert_same_train_losses, horovodrun, multi_worker, run,
+                          train_losses)
+from tests.synthetic import pattern_corpus, prepared
+from tests.test_train_hvd import TINY_MODEL, _checkpoint_tensors
 
 pytestmark = pytest.mark.distributed
 
@@ -17,16 +18,10 @@ pytestmark = pytest.mark.distributed
 def one_file_data(tmp_path_factory):
     """One shard: two workers then split it by record, so an unshuffled
     global batch holds the same sequences whatever the front end."""
-    from pipelines import prepare
-
     root = tmp_path_factory.mktemp("data")
     pattern_corpus(root / "corpus.txt")
-    out = root / "prepared"
-    assert prepare.main([
-        "--input", str(root / "corpus.txt"), "--output", str(out), "--seq-len", "16",
-        "--vocab-size", "300", "--val-fraction", "0.1",
-    ]) == 0
-    return out
+    return prepared(root / "corpus.txt", root / "prepared", "--seq-len", "16",
+                    "--vocab-size", "300", "--val-fraction", "0.1")
 
 
 def _flags(data, out, batch_size, *extra):
@@ -51,13 +46,9 @@ def test_single_process_horovod_and_mirrored_give_the_same_losses(one_file_data,
     train = json.loads((tmp_path / "mirrored" / "config.json").read_text())["train"]
     assert train["strategy"] == "mirrored" and train["logical_cpus"] == 2
     assert "fp16_allreduce" not in train and "allreduce_bucket_mb" not in train
-    single = _train_losses(tmp_path / "single")
-    assert sorted(single) == [1, 2, 3, 4, 5, 6]
     # Float32 sums in another order: agreement to 1e-4 over 6 updates.
-    for name in ("hvd", "mirrored"):
-        other = _train_losses(tmp_path / name)
-        for step in single:
-            assert other[step] == pytest.approx(single[step], abs=1e-4), (name, step)
+    single = assert_same_train_losses(
+        tmp_path / "single", [tmp_path / "hvd", tmp_path / "mirrored"], steps=6, tolerance=1e-4)
     assert single[6] < single[1] - 0.1  # the steps did something
 
 
@@ -73,7 +64,7 @@ def test_two_multi_worker_mirrored_workers_end_with_identical_weights(one_file_d
     assert len(workers[0].files) > 10
     for key in workers[0].files:
         np.testing.assert_array_equal(workers[0][key], workers[1][key], err_msg=key)
-    losses = _train_losses(tmp_path / "run")
+    losses = train_losses(tmp_path / "run")
     assert losses[6] < losses[1]
     assert "2 worker(s), 2 replica(s)" in outputs[0]
     # Only the chief keeps checkpoints; the other worker's scratch copy is gone.
@@ -101,7 +92,7 @@ def test_mirrored_sigkill_and_resume_equals_an_uninterrupted_run(one_file_data, 
     assert straight.keys() == resumed.keys()
     for name in straight:
         np.testing.assert_array_equal(straight[name], resumed[name], err_msg=name)
-    assert _train_losses(tmp_path / "killed")[6] == _train_losses(tmp_path / "straight")[6]
+    assert train_losses(tmp_path / "killed")[6] == train_losses(tmp_path / "straight")[6]
 
 
 @pytest.mark.parametrize("flag", [["--fp16-allreduce"], ["--allreduce-bucket-mb", "0"]])
