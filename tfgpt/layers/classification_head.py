@@ -31,9 +31,7 @@ class ClassificationHead(ConfiguredLayer):
         require_int_at_least("num_classes", num_classes, 2)
         require_fraction("dropout", dropout)
         self.record_config(num_classes=num_classes, dropout=dropout)
-        self.input_dropout = keras.layers.Dropout(
-            dropout, dtype=self.dtype_policy, name="input_dropout"
-        )
+        self.input_dropout = self._dropout(dropout, "input_dropout")
         self.classifier = self._dense(num_classes, "classifier")
 
     def build(self, input_shape):

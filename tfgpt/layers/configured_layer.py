@@ -2,6 +2,8 @@
 
 import keras
 
+from tfgpt.layers.layer_norm import LayerNorm
+
 
 def normal_initializer():
     """The models' weight initializer: normal, standard deviation 0.02 (GPT-2, BERT).
@@ -19,9 +21,9 @@ class ConfiguredLayer(keras.layers.Layer):
     constructor, with its constructor arguments: each becomes an attribute of
     its own name, and `get_config()` returns them under that name, so
     `from_config` and `.keras` files rebuild the layer through the same
-    constructor (the layers' counterpart of `ConfiguredModel`). Its sublayers
-    take the layer's dtype policy and `normal_initializer()` from `_dense`
-    and `_embedding`.
+    constructor (the layers' counterpart of `ConfiguredModel`). Sublayers
+    made by `_dense`, `_embedding`, `_layer_norm` and `_dropout` take the
+    layer's dtype policy (and weights `normal_initializer()`).
     """
 
     # The names `record_config` was given, in order.
@@ -56,3 +58,9 @@ class ConfiguredLayer(keras.layers.Layer):
             dtype=self.dtype_policy,
             name=name,
         )
+
+    def _layer_norm(self, epsilon, name):
+        return LayerNorm(epsilon=epsilon, dtype=self.dtype_policy, name=name)
+
+    def _dropout(self, rate, name):
+        return keras.layers.Dropout(rate, dtype=self.dtype_policy, name=name)

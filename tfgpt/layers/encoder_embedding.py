@@ -4,7 +4,6 @@ import keras
 import tensorflow as tf
 
 from tfgpt.layers.configured_layer import ConfiguredLayer
-from tfgpt.layers.layer_norm import LayerNorm
 
 
 @keras.saving.register_keras_serializable(package="tfgpt")
@@ -48,18 +47,13 @@ class EncoderEmbedding(ConfiguredLayer):
             dropout=dropout,
             layer_norm_epsilon=layer_norm_epsilon,
         )
-        policy = self.dtype_policy
         self.token_embedding = self._embedding(vocabulary_size, embedding_dim, "token_embedding")
         self.position_embedding = self._embedding(
             max_sequence_length, embedding_dim, "position_embedding"
         )
         self.segment_embedding = self._embedding(num_segments, embedding_dim, "segment_embedding")
-        self.embedding_norm = LayerNorm(
-            epsilon=layer_norm_epsilon, dtype=policy, name="embedding_norm"
-        )
-        self.embedding_dropout = keras.layers.Dropout(
-            dropout, dtype=policy, name="embedding_dropout"
-        )
+        self.embedding_norm = self._layer_norm(layer_norm_epsilon, "embedding_norm")
+        self.embedding_dropout = self._dropout(dropout, "embedding_dropout")
 
     def build(self, input_shape):
         self.token_embedding.build(input_shape)

@@ -5,7 +5,6 @@ import tensorflow as tf
 
 from tfgpt.layers.activated_dense import ActivatedDense
 from tfgpt.layers.configured_layer import ConfiguredLayer
-from tfgpt.layers.layer_norm import LayerNorm
 
 
 @keras.saving.register_keras_serializable(package="tfgpt")
@@ -51,9 +50,7 @@ class MaskedLMHead(ConfiguredLayer):
         self.transform = self._dense(
             embedding_dim, "transform", dense_class=ActivatedDense, activation=activation
         )
-        self.transform_norm = LayerNorm(
-            epsilon=layer_norm_epsilon, dtype=self.dtype_policy, name="transform_norm"
-        )
+        self.transform_norm = self._layer_norm(layer_norm_epsilon, "transform_norm")
 
     def build(self, input_shape):
         self.transform.build(input_shape)

@@ -37,9 +37,7 @@ class SelfAttentionBase(ConfiguredLayer):
 
     def _add_output_layers(self, initializer=None):
         self.output_projection = self._dense(self.hidden_dim, "output_projection", initializer)
-        self.attention_dropout = keras.layers.Dropout(
-            self.dropout, dtype=self.dtype_policy, name="attention_dropout"
-        )
+        self.attention_dropout = self._dropout(self.dropout, "attention_dropout")
 
     @staticmethod
     def _keys_real(padding_mask):

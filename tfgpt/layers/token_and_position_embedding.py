@@ -40,9 +40,7 @@ class TokenAndPositionEmbedding(ConfiguredLayer):
         self.position_embedding = self._embedding(
             max_sequence_length, hidden_dim, "position_embedding", initializer
         )
-        self.embedding_dropout = keras.layers.Dropout(
-            dropout, dtype=self.dtype_policy, name="embedding_dropout"
-        )
+        self.embedding_dropout = self._dropout(dropout, "embedding_dropout")
 
     def build(self, input_shape):
         self.token_embedding.build(input_shape)

@@ -7,7 +7,6 @@ from tfgpt.config.checks import require_one_of
 from tfgpt.layers.activated_dense import ActivatedDense
 from tfgpt.layers.causal_self_attention import CausalSelfAttention
 from tfgpt.layers.configured_layer import ConfiguredLayer, normal_initializer
-from tfgpt.layers.layer_norm import LayerNorm
 from tfgpt.layers.self_attention import SelfAttention
 
 # The block's attention, by the name its `attention` argument takes.
@@ -91,19 +90,12 @@ class TransformerBlock(ConfiguredLayer):
         # The attribute `attention` is the attention layer, built below.
         self.attention_kind = attention
         initializer = normal_initializer()
-        policy = self.dtype_policy
-        self.attention_norm = LayerNorm(
-            epsilon=layer_norm_epsilon, dtype=policy, name="attention_norm"
-        )
+        self.attention_norm = self._layer_norm(layer_norm_epsilon, "attention_norm")
         self.attention = ATTENTION_LAYERS[attention](
-            hidden_dim, num_heads, dropout=dropout, dtype=policy, name="attention"
+            hidden_dim, num_heads, dropout=dropout, dtype=self.dtype_policy, name="attention"
         )
-        self.attention_dropout = keras.layers.Dropout(
-            dropout, dtype=policy, name="attention_dropout"
-        )
-        self.feedforward_norm = LayerNorm(
-            epsilon=layer_norm_epsilon, dtype=policy, name="feedforward_norm"
-        )
+        self.attention_dropout = self._dropout(dropout, "attention_dropout")
+        self.feedforward_norm = self._layer_norm(layer_norm_epsilon, "feedforward_norm")
         self.feedforward_intermediate = self._dense(
             intermediate_dim,
             "feedforward_intermediate",
@@ -112,9 +104,7 @@ class TransformerBlock(ConfiguredLayer):
             activation=activation,
         )
         self.feedforward_output = self._dense(hidden_dim, "feedforward_output", initializer)
-        self.feedforward_dropout = keras.layers.Dropout(
-            dropout, dtype=policy, name="feedforward_dropout"
-        )
+        self.feedforward_dropout = self._dropout(dropout, "feedforward_dropout")
 
     def build(self, input_shape):
         self.attention_norm.build(input_shape)
