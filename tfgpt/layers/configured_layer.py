@@ -23,7 +23,18 @@ class ConfiguredLayer(keras.layers.Layer):
     `from_config` and `.keras` files rebuild the layer through the same
     constructor (the layers' counterpart of `ConfiguredModel`). Sublayers
     made by `_dense`, `_embedding`, `_layer_norm` and `_dropout` take the
-    layer's dtype policy (and weights `normal_initializer()`).
+    layer's dtype policy; dense kernels and embedding tables start from
+    `normal_initializer()` unless given an initializer.
+
+    Example:
+    >>> class Scale(ConfiguredLayer):
+    ...     def __init__(self, factor=2.0, **kwargs):
+    ...         super().__init__(**kwargs)
+    ...         self.record_config(factor=factor)
+    ...     def call(self, inputs):
+    ...         return inputs * self.factor
+    >>> Scale(3.0).get_config()["factor"]
+    3.0
     """
 
     # The names `record_config` was given, in order.
