@@ -7,10 +7,9 @@ averaged after each step. The flags are TrainConfig's and the model
 configs' fields, the same as train_mirrored.py's, and HorovodOptions'.
 """
 
-import sys
-
 from tfgpt.config.distribution import HorovodOptions as Options  # Horovod: its flags
 from tfgpt.training.front_end import TRAIN as COMMAND
+from tfgpt.training.front_end import exit_after_run
 
 
 def main(argv=None):
@@ -23,11 +22,9 @@ def main(argv=None):
 
     # Horovod: one process per device, a GPU or a share of the CPU cores each.
     # Horovod: rank 0 logs and writes checkpoints; the others stay silent.
-    distribution = Distribution.create(options, config)
-
     # Data, model, optimizer, loop, save (and a fine-tuning's evaluation): the shared core.
-    return COMMAND.run(config, model_overrides, distribution)
+    return COMMAND.run(config, model_overrides, Distribution.create(options, config))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_after_run(main())

@@ -7,10 +7,9 @@
 the same as train_hvd.py's, and StrategyOptions'.
 """
 
-import sys
-
 from tfgpt.config.distribution import StrategyOptions as Options  # Distribute: its flags
 from tfgpt.training.front_end import TRAIN as COMMAND
+from tfgpt.training.front_end import exit_after_run
 
 
 def main(argv=None):
@@ -23,11 +22,9 @@ def main(argv=None):
 
     # Distribute: replicas from the strategy, variables mirrored on them.
     # Distribute: workers on one machine split its CPU cores, as Horovod's ranks do.
-    distribution = Distribution.create(options, config)
-
     # Data, model, optimizer, loop, save (and a fine-tuning's evaluation): the shared core.
-    return COMMAND.run(config, model_overrides, distribution)
+    return COMMAND.run(config, model_overrides, Distribution.create(options, config))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_after_run(main())

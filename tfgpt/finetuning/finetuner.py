@@ -202,6 +202,9 @@ def finetune(config, model_overrides=None, distribution=None):
         global_batch=global_batch,
         sequence_length=config.max_sequence_length,
     )
+    # The training input is done with: its teardown must not hold up the end.
+    loop.release_in_background(batches)
+    del batches
 
     # Evaluation: every worker predicts its share; all of them see the result.
     if validation is not None:

@@ -288,6 +288,9 @@ def train(train_config, model_overrides, distribution):
         data_checkpointer=data_checkpointer,
         perplexity=True,
     )
+    # The training input is done with: its teardown must not hold up the end.
+    loop.release_in_background(iterator, data_checkpointer)
+    del iterator, data_checkpointer
 
     # Validation.
     validation = task.dataset(
