@@ -31,10 +31,11 @@ import collections
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
+
+from tfgpt.config.distribution import localhost_cluster
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")
@@ -58,14 +59,6 @@ def _environment(repo=REPO, **extra):
     return dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=repo, **extra)
 
 
-def _free_ports(count):
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("localhost", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
 
 
 def trainer_flags(data, out, preset, steps, batch_size, log_every, extra=()):
@@ -213,7 +206,7 @@ def run_job(kind, workers, data, work, preset, steps, batch_size, log_every, ext
             cpu = _run([([*script, "--strategy", "default", *flags], _environment(repo))],
                        timeout, repo)
         else:
-            cluster = {"worker": [f"localhost:{port}" for port in _free_ports(workers)]}
+            cluster = localhost_cluster(workers)
             cpu = _run([
                 ([*script, "--strategy", "multi-worker", *flags], _environment(
                     repo, TF_CONFIG=json.dumps(

@@ -4,12 +4,13 @@ reading the training losses their runs logged."""
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tfgpt.config.distribution import localhost_cluster
 
 REPO = Path(__file__).resolve().parent.parent
 HOROVODRUN = Path(sys.executable).parent / "horovodrun"
@@ -58,15 +59,6 @@ def horovodrun(num_workers, *command, timeout=TIMEOUT_SECONDS, env=None):
     )
 
 
-def free_ports(count):
-    """`count` localhost ports that were free a moment ago."""
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("localhost", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
 
 
 def multi_worker(count, *command, timeout=TIMEOUT_SECONDS):
@@ -75,7 +67,7 @@ def multi_worker(count, *command, timeout=TIMEOUT_SECONDS):
     Each worker gets its index in `TF_CONFIG`; all of them are killed on
     timeout or failure. Returns `[(returncode, output)]` in worker order.
     """
-    cluster = {"worker": [f"localhost:{port}" for port in free_ports(count)]}
+    cluster = localhost_cluster(count)
     processes = []
     for index in range(count):
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(REPO),

@@ -40,6 +40,13 @@ def test_train_hvd_with_two_towers_logs_mfu_within_one(tmp_path):
     mfus = [record["mfu"] for record in records if "mfu" in record]
     assert len(mfus) >= 5, records
     assert all(0 < mfu <= 1 for mfu in mfus), (mfus, output)
+    # The start-up line names the fused kernels the dispatch table gives a
+    # float32 GPT step without dropout (the library is built by make setup).
+    from tfgpt import kernels
+
+    expected = kernels.summary("float32", xla=False, dropout=0.0, masked=False, strategy=False)
+    assert expected.startswith("fused kernels: attention"), expected
+    assert expected in output.splitlines(), output
 
 
 @pytest.mark.parametrize(

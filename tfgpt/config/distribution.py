@@ -9,6 +9,7 @@ does not import TensorFlow.
 """
 
 import dataclasses
+import socket
 
 from tfgpt.config.training import ALLREDUCE_BUCKET_MB, require_non_negative_int, require_one_of
 
@@ -61,3 +62,18 @@ class StrategyOptions:
     def __post_init__(self):
         require_one_of("strategy", self.strategy, STRATEGIES)
         require_non_negative_int("logical_cpus", self.logical_cpus)
+
+
+def localhost_cluster(count):
+    """The `TF_CONFIG` cluster of `count` MultiWorkerMirrored workers on this machine.
+
+    Each worker gets a localhost port that was free a moment ago (the tests'
+    and the scaling benchmark's multi-worker runs).
+    """
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("localhost", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return {"worker": [f"localhost:{port}" for port in ports]}
