@@ -76,6 +76,14 @@ steps on *local* non-finite gradients, so ranks would skip different steps
 and their collectives would no longer match. `BroadcastInitialState` rejects
 that combination; use `mixed_bfloat16` (no loss scaling needed), or the
 custom trainer, which checks finiteness on the averaged gradients.
+
+Metrics: `AverageMetrics` averages the epoch logs (train and validation);
+per-batch logs and the progress bar stay per rank. Average a standalone
+`model.evaluate(..., return_dict=True)` with `average_logs`.
+
+Steps: every step is a collective, so every rank must run as many: repeat
+the dataset and pass `steps_per_epoch`, e.g.
+`pipelines.reader.steps_per_epoch(data, "train", batch_size, num_workers=size)`.
 """
 
 import functools

@@ -189,7 +189,7 @@ def train(train_config, model_overrides, distribution):
     # Recomputation is a training-time choice, not architecture (not in config.json's model).
     if train_config.recompute and not set_recompute(model, True):
         raise ValueError(
-            f"--recompute recomputes GPT blocks; --preset {train_config.preset} has none"
+            f"--recompute recomputes transformer blocks; --preset {train_config.preset} has none"
         )
     train_step = TrainStep(
         model,
