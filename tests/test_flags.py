@@ -13,6 +13,7 @@ import json
 import re
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -214,18 +215,32 @@ REQUIRED = {"train": ["--data", "d"], "finetune": ["--train-file", "t", "--init"
 
 
 @pytest.mark.parametrize("script", ["train_mirrored", "finetune_mirrored"])
-@pytest.mark.parametrize("flag", [["--fp16-allreduce"], ["--allreduce-bucket-mb", "0"]])
-def test_horovod_flags_are_not_the_mirrored_front_ends(script, flag, capsys):
+@pytest.mark.parametrize(
+    "flag", [["--fp16-allreduce"], ["--allreduce-bucket-mb", "0"], ["--zero-stage", "2"]]
+)
+def test_horovod_flags_are_refused_by_the_mirrored_front_ends_naming_theirs(
+    script, flag, capsys
+):
     argv = [*REQUIRED[script.split("_")[0]], *flag]
     error = _exit_message(__import__(script).main, argv, capsys)
-    assert f"error: unrecognized arguments: {' '.join(flag)}" in error
+    assert error.strip().splitlines()[-1].endswith(
+        f": error: {flag[0]} is a flag of train_hvd.py and finetune_hvd.py "
+        "(Horovod, under horovodrun), not of this front end"
+    )
 
 
 @pytest.mark.parametrize("script", ["train_hvd", "finetune_hvd"])
-def test_strategy_flags_are_not_the_horovod_front_ends(script, capsys):
+def test_strategy_flags_are_refused_by_the_horovod_front_ends_naming_theirs(script, capsys):
     argv = [*REQUIRED[script.split("_")[0]], "--strategy", "mirrored"]
     error = _exit_message(__import__(script).main, argv, capsys)
-    assert "error: unrecognized arguments: --strategy mirrored" in error
+    assert ("error: --strategy is a flag of train_mirrored.py and finetune_mirrored.py "
+            "(tf.distribute), not of this front end") in error
+
+
+@pytest.mark.parametrize("script", ["train_hvd", "train_mirrored"])
+def test_an_unknown_flag_is_argparses_error(script, capsys):
+    error = _exit_message(__import__(script).main, ["--data", "d", "--bogus", "1"], capsys)
+    assert "error: unrecognized arguments: --bogus 1" in error
 
 
 @pytest.mark.parametrize("script, argv, message", [
@@ -296,13 +311,14 @@ def test_pretraining_and_fine_tuning_front_ends_differ_only_in_their_command(
 # ---- The start-up warning of a run that never leaves its warmup -----------
 
 
-def _start_up_lines(config, steps, is_chief, tmp_path):
+def _start_up_lines(config, steps, is_chief, tmp_path, zero_stage=0, size=1):
     from tfgpt.training.loop import start_up_warnings
     from tfgpt.training.reporter import Reporter
 
     stream = io.StringIO()
     report = Reporter(str(tmp_path), is_chief, stream=stream)
-    start_up_warnings(report, config, steps)
+    distribution = types.SimpleNamespace(zero_stage=zero_stage, size=size)
+    start_up_warnings(report, config, steps, distribution)
     report.close()
     return stream.getvalue().splitlines()
 
@@ -330,3 +346,14 @@ def test_fine_tuning_warns_on_its_resolved_warmup_steps(tmp_path):
     assert line.startswith("warning: --warmup-fraction gives 40 warmup steps for a run of 40")
     tenth = FinetuneConfig(train_file="t.tsv", tokenizer="t", warmup_fraction=0.1)
     assert _start_up_lines(tenth, 40, True, tmp_path) == []
+
+
+@pytest.mark.parametrize("size, warned", [(1, True), (2, False)])
+def test_a_zero_stage_with_one_worker_is_said_to_shard_nothing(tmp_path, size, warned):
+    config = TrainConfig(data="d", steps=200, warmup_steps=10)
+    lines = _start_up_lines(config, config.steps, True, tmp_path, zero_stage=2, size=size)
+    expected = [
+        "warning: --zero-stage 2 with one worker shards nothing: every state stays whole on "
+        "it, as with --zero-stage 0 (its checkpoints are still in the sharded layout)"
+    ]
+    assert lines == (expected if warned else [])

@@ -4,7 +4,9 @@ Two layouts are recognised by their `config.json`:
 
 - a tfgpt run directory (`tfgpt.training`, or `python -m tfgpt.convert
   to-tfgpt`): `config.json` with the GPTConfig fields under `"model"`,
-  `ckpt-N` files of a `tf.train.Checkpoint(model=...)` and the tokenizer,
+  `ckpt-N` files of a `tf.train.Checkpoint(model=...)` (or, from a
+  `--zero-stage` run, the weights in every rank's shards:
+  `tfgpt.training.sharded_checkpoint`) and the tokenizer,
   `tokenizer.model` (SentencePiece, `pipelines.tokenizer`) or GPT-2's
   `vocab.json` + `merges.txt`;
 - a Hugging Face GPT-2 directory (`"model_type": "gpt2"`), read by
@@ -20,6 +22,7 @@ import tensorflow as tf
 from tfgpt.config import GPTConfig
 from tfgpt.models.gpt import GPT
 from tfgpt.tokenizers.byte_pair_tokenizer import BytePairTokenizer
+from tfgpt.training import sharded_checkpoint
 from tfgpt.training.checkpointing import CONFIG_FILE, TOKENIZER_FILE
 
 
@@ -53,6 +56,9 @@ def load_model(directory, dtype=None):
     if tokenizer is not None:
         check_tokenizer_matches_model(tokenizer, model)
     path = latest_checkpoint(directory)
+    if sharded_checkpoint.is_sharded(path):
+        sharded_checkpoint.restore_whole(directory, path, model.trainable_variables, None, None)
+        return model, tokenizer
     # The trainer also saved the optimizer and step; only the model is read,
     # and every model variable must be found in the checkpoint.
     try:

@@ -14,6 +14,7 @@ import socket
 from tfgpt.config.training import ALLREDUCE_BUCKET_MB, require_non_negative_int, require_one_of
 
 STRATEGIES = ("default", "one-device", "mirrored", "multi-worker")
+ZERO_STAGES = (0, 1, 2, 3)
 
 
 @dataclasses.dataclass
@@ -24,14 +25,19 @@ class HorovodOptions:
         fp16_allreduce: bool. Send gradients as float16 over the wire
             (halves allreduce traffic).
         allreduce_bucket_mb: float. Megabytes of gradients per grouped
-            allreduce, cut in backward order; 0 sends each gradient on its
-            own.
+            allreduce (or reduce-scatter), cut in backward order; 0 sends
+            each gradient on its own.
+        zero_stage: int. Shard the training state over the workers (ZeRO):
+            1 the optimizer moments, 2 also the gradients, 3 also the
+            parameters, gathered block by block when used; 0 keeps all of
+            it on every worker (README, Models larger than one worker).
     """
 
-    CHOICES = {}
+    CHOICES = {"zero_stage": ZERO_STAGES}
 
     fp16_allreduce: bool = False
     allreduce_bucket_mb: float = ALLREDUCE_BUCKET_MB
+    zero_stage: int = 0
 
     def __post_init__(self):
         if not self.allreduce_bucket_mb >= 0:
@@ -39,6 +45,7 @@ class HorovodOptions:
                 "`allreduce_bucket_mb` must be non-negative. "
                 f"Received: allreduce_bucket_mb={self.allreduce_bucket_mb!r}"
             )
+        require_one_of("zero_stage", self.zero_stage, ZERO_STAGES)
 
 
 @dataclasses.dataclass
@@ -62,6 +69,14 @@ class StrategyOptions:
     def __post_init__(self):
         require_one_of("strategy", self.strategy, STRATEGIES)
         require_non_negative_int("logical_cpus", self.logical_cpus)
+
+
+# Which front ends take each options class's flags, for the error a flag of
+# the other kind gets (`--zero-stage` given to train_mirrored.py).
+FRONT_ENDS = {
+    HorovodOptions: "train_hvd.py and finetune_hvd.py (Horovod, under horovodrun)",
+    StrategyOptions: "train_mirrored.py and finetune_mirrored.py (tf.distribute)",
+}
 
 
 def localhost_cluster(count):

@@ -153,6 +153,7 @@ class HorovodDistribution(LocalDistribution):
         )
         distribution.configure_devices(**device_settings(config))
         distribution.options = options
+        distribution.zero_stage = options.zero_stage
         return distribution
 
     def configure_devices(self, intra_op_threads=0, *, towers=1, batch_size=0, xla=False):

@@ -175,6 +175,12 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
                 "`optimizer` must be a keras.optimizers.Optimizer. "
                 f"Received: optimizer={optimizer!r}"
             )
+        if getattr(distribution, "zero_stage", 0):
+            raise ValueError(
+                "model.fit averages whole gradients on every worker; --zero-stage "
+                f"{distribution.zero_stage} (sharded state) needs train_hvd.py or "
+                "finetune_hvd.py under horovodrun"
+            )
         if isinstance(optimizer, DistributedOptimizer):
             raise ValueError(
                 "`optimizer` is already a DistributedOptimizer; wrapping it again "

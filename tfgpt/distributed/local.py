@@ -25,6 +25,8 @@ class LocalDistribution:
     saves_collectively = False
     # Concurrent slices of each batch (tfgpt.distributed.cpu_threads).
     towers = 1
+    # ZeRO stage (Horovod's --zero-stage; tfgpt.distributed.zero): 0, nothing sharded.
+    zero_stage = 0
     # The front end's options (`tfgpt.config.distribution`) it was created
     # with; written into the run's config.json beside the run config.
     options = None

@@ -127,7 +127,7 @@ def finetune(config, model_overrides=None, distribution=None):
         return build_task_model(config.task, backbone, len(labels), config.classifier_dropout)
 
     # Optimizer, with the model.
-    model, optimizer, step = loop.build_model_and_optimizer(
+    model, optimizer, step, zero = loop.build_model_and_optimizer(
         config, distribution, build_model, steps
     )
     family, model_config = found["family"], found["model_config"]
@@ -142,8 +142,9 @@ def finetune(config, model_overrides=None, distribution=None):
         f"{towers} tower(s) per replica"
         + (f", labels {labels}" if labels else "")
     )
-    loop.start_up_warnings(report, config, steps)
+    loop.start_up_warnings(report, config, steps, distribution)
     report.info(f"model: {model.count_params():,} parameters {model_config}")
+    report.info(loop.state_line(model, distribution, zero))
     train_step = TrainStep(
         model,
         optimizer,
@@ -152,10 +153,11 @@ def finetune(config, model_overrides=None, distribution=None):
         xla=config.xla,
         accumulation_steps=config.accumulation_steps,
         towers=towers,
+        zero=zero,
     )
 
     # Checkpoints: the chief saves model, optimizer, step and dropout state.
-    checkpointer = loop.make_checkpointer(config, distribution, model, optimizer, step)
+    checkpointer = loop.make_checkpointer(config, distribution, model, optimizer, step, zero)
     if saved:
         checkpointer.restore_latest()
         report.info(f"resumed from {checkpointer.latest} at step {int(step.numpy())}")
@@ -173,7 +175,7 @@ def finetune(config, model_overrides=None, distribution=None):
     )
     if distribution.is_chief:
         copy_tokenizer(tokenizer, out)
-    distribution.broadcast_variables(model.variables + optimizer.variables + [step])
+    loop.broadcast_state(distribution, model, optimizer, step, zero)
 
     # Data: each worker's part; a resumed run replays the seeded stream.
     replicas_per_worker = distribution.size // distribution.num_workers
@@ -207,6 +209,8 @@ def finetune(config, model_overrides=None, distribution=None):
     del batches
 
     # Evaluation: every worker predicts its share; all of them see the result.
+    if zero is not None and zero.stage == 3:
+        zero.materialize()  # the predictions run the whole model, not a loss
     if validation is not None:
         if config.task == "classification":
             predictions, results = evaluate_classification(

@@ -63,6 +63,10 @@ class TransformerBlock(ConfiguredLayer):
 
     # Training-time option, see the class docstring.
     recompute = False
+    # Where the block's weights come from while it runs: None reads its
+    # variables; sharded training (ZeRO stage 3, `tfgpt.distributed.zero`)
+    # sets a callable returning a context that gathers them for the call.
+    weights_scope = None
 
     def __init__(
         self,
@@ -162,6 +166,13 @@ class TransformerBlock(ConfiguredLayer):
         return tf.recompute_grad(block)(inputs)
 
     def _apply(self, inputs, padding_mask, cache, cache_index, training):
+        # Inside the recomputed function: a recomputation gathers again.
+        if self.weights_scope is not None:
+            with self.weights_scope():
+                return self._compute(inputs, padding_mask, cache, cache_index, training)
+        return self._compute(inputs, padding_mask, cache, cache_index, training)
+
+    def _compute(self, inputs, padding_mask, cache, cache_index, training):
         x = inputs
         attention_input = self.attention_norm(x) if self.norm_first else x
         if cache is None:

@@ -44,11 +44,16 @@ class Checkpointer:
         collective: bool. Every worker must take part in a save
             (tf.distribute multi-worker); non-chiefs write a scratch copy.
         rank: int. This worker's index, naming its scratch directory.
+        restore_sharded: callable `(path)`, or None. Restores a checkpoint
+            that a ZeRO run wrote (`tfgpt.training.sharded_checkpoint`)
+            into these whole variables instead.
         **trackables: what to save (model, optimizer, step, ...).
     """
 
-    def __init__(self, directory, is_chief, keep=3, collective=False, rank=0, **trackables):
+    def __init__(self, directory, is_chief, keep=3, collective=False, rank=0,
+                 restore_sharded=None, **trackables):
         self.directory = directory
+        self.restore_sharded = restore_sharded
         self.is_chief = is_chief
         self.collective = collective
         self.checkpoint = tf.train.Checkpoint(**trackables)
@@ -92,6 +97,14 @@ class Checkpointer:
     def restore_latest(self):
         """Restores the newest checkpoint; returns its path or None."""
         path = self.latest
-        if path:
+        if not path:
+            return None
+        from tfgpt.training.sharded_checkpoint import is_sharded
+
+        if is_sharded(path):
+            if self.restore_sharded is None:
+                raise ValueError(f"{path} was written by a --zero-stage run: its weights are in shards")
+            self.restore_sharded(path)
+        else:
             self.checkpoint.restore(path).assert_existing_objects_matched()
         return path

@@ -198,7 +198,10 @@ def parse_config_flags(argv, description, usage, config_class, model_group, chec
     add_model_flags(parser.add_argument_group(title), model_classes, skip, default_text)
     if options_class is not None:
         add_config_flags(parser.add_argument_group(_title(options_class)), options_class)
-    args = vars(parser.parse_args(argv))
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        parser.error(_unrecognized(unknown, options_class))
+    args = vars(args)
     config_fields = {field.name for field in dataclasses.fields(config_class)}
     option_fields = (
         {field.name for field in dataclasses.fields(options_class)} if options_class else set()
@@ -213,6 +216,20 @@ def parse_config_flags(argv, description, usage, config_class, model_group, chec
     except ValueError as error:
         parser.error(str(error))
     return (config, model_overrides) + ((options,) if options_class else ())
+
+
+def _unrecognized(unknown, options_class):
+    """argparse's message, or which front end takes a distribution flag given to the other."""
+    from tfgpt.config.distribution import FRONT_ENDS
+
+    for cls, front_ends in FRONT_ENDS.items():
+        if cls is options_class:
+            continue
+        flags = {_flag(field.name) for field in dataclasses.fields(cls)}
+        for argument in unknown:
+            if argument.split("=")[0] in flags:
+                return f"{argument.split('=')[0]} is a flag of {front_ends}, not of this front end"
+    return f"unrecognized arguments: {' '.join(unknown)}"
 
 
 def require_model_fields(cls, model_overrides, preset, family_name):

@@ -1,8 +1,10 @@
 """LAMB: layer-wise adaptive moments (You et al. 2020), as ALBERT trained with it."""
 
+import contextlib
 import re
 
 import keras
+import tensorflow as tf
 from keras import ops
 
 
@@ -21,6 +23,15 @@ class LAMB(keras.optimizers.Optimizer):
     the implementation ALBERT was pretrained with. Variables whose name
     matches `exclude_pattern` (biases, norms, embeddings by default) get
     neither weight decay nor layer adaptation, as there.
+
+    Sharded (ZeRO, `tfgpt.distributed.zero`), each rank holds some rows of
+    every variable: the trust ratio still needs the norms of the whole
+    weight and the whole update. `norm_sum`, when set, sums a vector over
+    the ranks: the update then computes every variable's partial sums of
+    squares first, sums them all in one call, and applies the ratios after.
+    `given_gradient_norm(norm)` hands `global_clipnorm` the norm of the
+    whole gradients (the caller's all-reduced one) instead of the norm of
+    the rows this rank received.
 
     Args:
         learning_rate: float or schedule.
@@ -52,6 +63,28 @@ class LAMB(keras.optimizers.Optimizer):
         self.epsilon = epsilon
         self.lamb_weight_decay = weight_decay
         self.exclude_pattern = exclude_pattern
+        self.norm_sum = None
+        self._given_norm = None
+
+    @contextlib.contextmanager
+    def given_gradient_norm(self, norm):
+        """Uses `norm` as the global norm of the gradients `apply` receives (clipping)."""
+        previous, self._given_norm = self._given_norm, norm
+        try:
+            yield
+        finally:
+            self._given_norm = previous
+
+    def _clip_gradients(self, grads):
+        given, self._given_norm = self._given_norm, None
+        if given is None or not self.global_clipnorm or self.clipnorm:
+            return super()._clip_gradients(grads)
+        norm = tf.cast(given, "float32")
+        # As keras.optimizers' clip_by_global_norm: NaN for a non-finite norm.
+        scale = self.global_clipnorm * tf.minimum(1.0 / norm, 1.0 / self.global_clipnorm) + (
+            norm - norm
+        )
+        return [None if g is None else g * tf.cast(scale, g.dtype) for g in grads]
 
     def build(self, var_list):
         if self.built:
@@ -64,8 +97,8 @@ class LAMB(keras.optimizers.Optimizer):
     def _adapts(self, variable):
         return re.search(self.exclude_pattern, variable.name) is None
 
-    def update_step(self, gradient, variable, learning_rate):
-        lr = ops.cast(learning_rate, variable.dtype)
+    def _moments_and_update(self, gradient, variable):
+        """Updates the moments; returns the step direction r before the ratio."""
         gradient = ops.cast(gradient, variable.dtype)
         step = ops.cast(self.iterations + 1, variable.dtype)
         m = self._momentums[self._get_variable_index(variable)]
@@ -77,15 +110,44 @@ class LAMB(keras.optimizers.Optimizer):
         update = m_hat / (ops.sqrt(v_hat) + self.epsilon)
         if self._adapts(variable):
             update = update + self.lamb_weight_decay * variable
+        return update
+
+    @staticmethod
+    def _ratio(weight_norm, update_norm):
+        return ops.where(
+            ops.logical_and(weight_norm > 0, update_norm > 0),
+            weight_norm / ops.maximum(update_norm, 1e-30),
+            1.0,
+        )
+
+    def update_step(self, gradient, variable, learning_rate):
+        lr = ops.cast(learning_rate, variable.dtype)
+        update = self._moments_and_update(gradient, variable)
+        if self._adapts(variable):
             weight_norm = ops.sqrt(ops.sum(ops.square(variable)))
             update_norm = ops.sqrt(ops.sum(ops.square(update)))
-            ratio = ops.where(
-                ops.logical_and(weight_norm > 0, update_norm > 0),
-                weight_norm / ops.maximum(update_norm, 1e-30),
-                1.0,
-            )
-            update = ratio * update
+            update = self._ratio(weight_norm, update_norm) * update
         self.assign_sub(variable, lr * update)
+
+    def _backend_update_step(self, grads, trainable_variables, learning_rate):
+        if self.norm_sum is None:
+            return super()._backend_update_step(grads, trainable_variables, learning_rate)
+        # Sharded: every variable's partial squared norms, summed over the
+        # ranks in one call, then the ratios.
+        variables = [v.value if isinstance(v, keras.Variable) else v for v in trainable_variables]
+        updates = [self._moments_and_update(g, v) for g, v in zip(grads, variables)]
+        adapted = [index for index, v in enumerate(variables) if self._adapts(v)]
+        if adapted:
+            partial = ops.stack(
+                [ops.sum(ops.square(ops.cast(variables[i], "float32"))) for i in adapted]
+                + [ops.sum(ops.square(ops.cast(updates[i], "float32"))) for i in adapted]
+            )
+            norms = ops.sqrt(self.norm_sum(partial))
+            for position, index in enumerate(adapted):
+                ratio = self._ratio(norms[position], norms[len(adapted) + position])
+                updates[index] = ops.cast(ratio, updates[index].dtype) * updates[index]
+        for variable, update in zip(variables, updates):
+            self.assign_sub(variable, ops.cast(learning_rate, variable.dtype) * update)
 
     def get_config(self):
         config = super().get_config()

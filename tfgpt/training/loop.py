@@ -18,6 +18,7 @@ import threading
 import time
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tfgpt import kernels
@@ -94,19 +95,36 @@ def warmup_warning(config, steps):
     )
 
 
-def start_up_warnings(report, config, steps):
+def zero_warning(distribution):
+    """A warning (str) when --zero-stage has nothing to shard over, else None."""
+    stage = getattr(distribution, "zero_stage", 0)
+    if not stage or distribution.size > 1:
+        return None
+    return (
+        f"--zero-stage {stage} with one worker shards nothing: every state stays whole on "
+        "it, as with --zero-stage 0 (its checkpoints are still in the sharded layout)"
+    )
+
+
+def start_up_warnings(report, config, steps, distribution):
     """Logs (chief only) what would make this run slow or not what was meant."""
-    for warning in (slow_precision_warning(config.mixed_precision), warmup_warning(config, steps)):
+    for warning in (slow_precision_warning(config.mixed_precision), warmup_warning(config, steps),
+                    zero_warning(distribution)):
         if warning:
             report.info(f"warning: {warning}")
 
 
 def build_model_and_optimizer(config, distribution, build_model, steps):
-    """`(model, optimizer, step)`: identical initial weights on every worker (seeded).
+    """`(model, optimizer, step, zero)`: identical initial weights on every worker (seeded).
 
     `build_model()` runs in the distribution's scope, under the precision
     policy; the optimizer's slots exist before the first step, so that
     rank 0's whole state can be broadcast (`run_loop`'s caller does).
+    Under Horovod with `--zero-stage` 1-3, `zero` is the
+    `tfgpt.distributed.zero.ZeroSharding` that holds this rank's shards
+    (rank 0's weights are broadcast before they are cut), the optimizer
+    is built on those shards, and `broadcast_state` sends only what every
+    rank holds alike; otherwise `zero` is None.
     """
     keras.utils.set_random_seed(config.seed)
     keras.config.set_dtype_policy(POLICIES[config.mixed_precision])
@@ -115,9 +133,50 @@ def build_model_and_optimizer(config, distribution, build_model, steps):
         optimizer = distribution.configure_optimizer(
             make_optimizer(config, distribution.size, steps=steps)
         )
-        optimizer.build(model.trainable_variables)
         step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
-    return model, optimizer, step
+        zero = None
+        stage = getattr(distribution, "zero_stage", 0)
+        if stage:
+            from tfgpt.distributed.zero import ZeroSharding
+
+            distribution.broadcast_variables(model.variables)
+            zero = ZeroSharding(stage, model, optimizer, distribution)
+        else:
+            optimizer.build(model.trainable_variables)
+    return model, optimizer, step, zero
+
+
+def broadcast_state(distribution, model, optimizer, step, zero):
+    """Makes rank 0's state every rank's: all of it, or under ZeRO what is not sharded."""
+    if zero is None:
+        distribution.broadcast_variables(model.variables + optimizer.variables + [step])
+        return
+    from tfgpt.training.sharded_checkpoint import replicated_optimizer_variables
+
+    distribution.broadcast_variables(
+        model.non_trainable_variables + replicated_optimizer_variables(optimizer) + [step]
+    )
+
+
+def state_line(model, distribution, zero):
+    """The start-up line with this rank's bytes of parameters, gradients and optimizer state."""
+    from tfgpt.distributed.zero import state_bytes
+
+    stage = zero.stage if zero else 0
+    parameters = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+    sizes = state_bytes(parameters, stage, distribution.size,
+                        gathered=zero.largest_unit() if zero and stage == 3 else 0)
+    gib = lambda count: f"{count / 2**30:.2f} GiB"  # noqa: E731
+    line = (
+        f"state per rank (ZeRO stage {stage}, {distribution.size} rank(s)): parameters "
+        f"{gib(sizes['parameters'])}, gradients {gib(sizes['gradients'])}, optimizer "
+        f"{gib(sizes['optimizer'])}, total {gib(sizes['state'])}"
+    )
+    if stage == 3:
+        line += f", plus {gib(sizes['gathered'])} gathered while the largest unit runs"
+    if stage:
+        line += f" (stage 0: {gib(state_bytes(parameters, 0, 1)['state'])})"
+    return line
 
 
 def _seed_generator_states(model):
@@ -126,18 +185,39 @@ def _seed_generator_states(model):
     return [v.value for v in model.variables if "seed_generator_state" in v.path]
 
 
-def make_checkpointer(config, distribution, model, optimizer, step):
-    """The chief saves model, optimizer, step and dropout state in `config.out`."""
+def make_checkpointer(config, distribution, model, optimizer, step, zero=None):
+    """The chief saves model, optimizer, step and dropout state in `config.out`.
+
+    Under ZeRO every rank writes its shards beside the chief's replicated
+    state (`tfgpt.training.sharded_checkpoint`). A whole-state run resumes
+    from either kind of checkpoint.
+    """
+    from tfgpt.training import sharded_checkpoint
+
+    rng = _seed_generator_states(model)
+    replicated = dict(step=step, rng=rng,
+                      optimizer_state=sharded_checkpoint.replicated_optimizer_variables(optimizer))
+    if zero is not None:
+        return sharded_checkpoint.ShardedCheckpointer(
+            Checkpointer(config.out, distribution.is_chief, keep=config.keep_checkpoints,
+                         **replicated),
+            zero,
+            distribution,
+        )
     return Checkpointer(
         config.out,
         distribution.is_chief,
         keep=config.keep_checkpoints,
         collective=distribution.saves_collectively,
         rank=distribution.rank,
+        restore_sharded=lambda path: sharded_checkpoint.restore_whole(
+            config.out, path, model.trainable_variables, optimizer,
+            tf.train.Checkpoint(**replicated),
+        ),
         model=model,
         optimizer=optimizer,
         step=step,
-        rng=_seed_generator_states(model),
+        rng=rng,
     )
 
 

@@ -32,13 +32,21 @@ def _dense(gradient):
     return tf.convert_to_tensor(gradient) if isinstance(gradient, tf.IndexedSlices) else gradient
 
 
-def _compiled_parts(distribution, xla):
+def _compiled_parts(distribution, xla, zero):
     """What XLA compiles for `distribution` (see TrainStep)."""
     from tfgpt.distributed.local import LocalDistribution
     from tfgpt.distributed.strategy import StrategyDistribution
 
     if not xla:
         return ()
+    if zero is not None:
+        if zero.stage == 3:
+            raise ValueError(
+                "--xla cannot compile a --zero-stage 3 step: its forward pass gathers "
+                "each block's weights with Horovod collectives, which XLA cannot run; "
+                "use --zero-stage 1 or 2 with --xla"
+            )
+        return ("compute",)
     if isinstance(distribution, StrategyDistribution):
         return ("compute",)
     if type(distribution) is LocalDistribution:
@@ -70,8 +78,10 @@ class TrainStep:
       `allreduce_gradients` is not a `tf.distribute` replica all-reduce):
       the forward/backward pass and the update are compiled apart, with
       the allreduce between them (`("compute", "update")`);
-    - a `tf.distribute` strategy: the forward/backward pass with `xla`,
-      nothing without. Keras applies the update through `merge_call`,
+    - a `tf.distribute` strategy, or ZeRO stage 1 or 2 (`zero`): the
+      forward/backward pass with `xla`, nothing without (ZeRO's update
+      runs collectives; stage 3 gathers weights inside the forward pass
+      and refuses `xla`). Keras applies the update through `merge_call`,
       which cannot run inside a nested (XLA-compiled) `tf.function`
       ("`merge_call` called while defining a new graph").
 
@@ -100,6 +110,10 @@ class TrainStep:
         accumulation_steps: int. Micro-batches per update.
         towers: int. Slices of each batch computed side by side; the
             batch's first axis must be divisible by it.
+        zero: a `tfgpt.distributed.zero.ZeroSharding` (Horovod with
+            `--zero-stage` 1-3), which then reduces the gradients and
+            applies the update on this rank's shards; None averages whole
+            gradients through `distribution`.
 
     Calling it with a batch returns a dict of scalars: `loss` (this
     worker's mean), `gradient_norm` (global norm of the averaged, unscaled
@@ -108,7 +122,7 @@ class TrainStep:
 
     def __init__(
         self, model, optimizer, distribution, loss_fn=causal_lm_loss, xla=False,
-        accumulation_steps=1, towers=1,
+        accumulation_steps=1, towers=1, zero=None,
     ):
         require_positive_int("accumulation_steps", accumulation_steps)
         require_positive_int("towers", towers)
@@ -119,7 +133,12 @@ class TrainStep:
         self.accumulation_steps = accumulation_steps
         self.towers = towers
         self.variables = model.trainable_variables
-        self.compiled = _compiled_parts(distribution, xla)
+        self.zero = zero
+        # Micro-batches under ZeRO one after the other: each runs
+        # collectives of the same names, which must not overlap. (10 is
+        # tf.while_loop's default.)
+        self._loop_parallelism = 1 if zero else 10
+        self.compiled = _compiled_parts(distribution, xla, zero)
         self._forward_backward = self._forward_backward_fn
         self._update = self._update_fn
         if "compute" in self.compiled:
@@ -153,25 +172,36 @@ class TrainStep:
         return loss, metrics
 
     def _forward_backward_fn(self, batch):
+        # Sources are the tf.Variables inside the Keras 3 variables (under
+        # ZeRO stage 3, those of this rank's shards).
+        sources = (self.zero.gradient_sources() if self.zero
+                   else [v.value for v in self.variables])
         with tf.GradientTape() as tape:
-            loss, metrics = self._towers_loss(batch)
+            with self.zero.loss_scope() if self.zero else contextlib.nullcontext():
+                loss, metrics = self._towers_loss(batch)
             scaled_loss = self.optimizer.scale_loss(loss)
-        # Sources are the tf.Variables inside the Keras 3 variables.
-        gradients = tape.gradient(scaled_loss, [v.value for v in self.variables])
+        gradients = tape.gradient(scaled_loss, sources)
         gradients = [
-            tf.zeros_like(v.value) if g is None else _dense(g)
-            for g, v in zip(gradients, self.variables)
+            tf.zeros_like(source) if g is None else _dense(g)
+            for g, source in zip(gradients, sources)
         ]
+        return loss, metrics, gradients
+
+    def _micro_batch(self, batch):
+        loss, metrics, gradients = self._forward_backward(batch)
+        if self.zero:
+            gradients = self.zero.reduce_micro_batch(gradients)
         return loss, metrics, gradients
 
     def _accumulate(self, batch):
         count = self.accumulation_steps
         if count == 1:
-            return self._forward_backward(batch)
+            return self._micro_batch(batch)
         micro = lambda index: tf.nest.map_structure(lambda t: t[index], batch)  # noqa: E731
-        loss, metrics, gradients = self._forward_backward(micro(0))
+        loss, metrics, gradients = self._micro_batch(micro(0))
         for index in tf.range(1, count):
-            next_loss, next_metrics, next_gradients = self._forward_backward(micro(index))
+            tf.autograph.experimental.set_loop_options(parallel_iterations=self._loop_parallelism)
+            next_loss, next_metrics, next_gradients = self._micro_batch(micro(index))
             loss += next_loss
             metrics = tf.nest.map_structure(tf.add, metrics, next_metrics)
             gradients = [a + b for a, b in zip(gradients, next_gradients)]
@@ -198,6 +228,11 @@ class TrainStep:
 
     def _replica_step(self, batch):
         loss, metrics, gradients = self._accumulate(batch)
+        if self.zero:
+            gradient_norm = self.zero.apply(
+                self.zero.reduce_accumulated(gradients), _loss_scale(self.optimizer)
+            )
+            return {"loss": loss, "gradient_norm": gradient_norm, **metrics}
         gradients = self.distribution.allreduce_gradients(gradients)
         gradient_norm = self._update(gradients)
         return {"loss": loss, "gradient_norm": gradient_norm, **metrics}
@@ -208,15 +243,20 @@ class TrainStep:
 
 
 class EvalStep:
-    """Returns `(loss, metrics)` of a batch without training, compiled once."""
+    """Returns `(loss, metrics)` of a batch without training, compiled once.
 
-    def __init__(self, model, loss_fn=causal_lm_loss, xla=False):
+    `zero`: the run's `ZeroSharding`, whose stage 3 gathers the weights.
+    """
+
+    def __init__(self, model, loss_fn=causal_lm_loss, xla=False, zero=None):
         self.model = model
         self.loss_fn = loss_fn
-        self._step = tf.function(self._step_fn, jit_compile=xla)
+        self.zero = zero
+        self._step = tf.function(self._step_fn, jit_compile=xla and zero is None)
 
     def _step_fn(self, batch):
-        return self.loss_fn(self.model, batch, False)
+        with self.zero.loss_scope() if self.zero else contextlib.nullcontext():
+            return self.loss_fn(self.model, batch, False)
 
     def __call__(self, *batch):
         return self._step(batch[0] if len(batch) == 1 else batch)

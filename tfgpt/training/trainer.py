@@ -178,14 +178,15 @@ def train(train_config, model_overrides, distribution):
         f"precision {train_config.mixed_precision}, xla {train_config.xla}, "
         f"{towers} tower(s) per replica"
     )
-    loop.start_up_warnings(report, train_config, train_config.steps)
+    loop.start_up_warnings(report, train_config, train_config.steps, distribution)
 
     # Model and optimizer: identical initial weights everywhere (seeded, then broadcast).
-    model, optimizer, step = loop.build_model_and_optimizer(
+    model, optimizer, step, zero = loop.build_model_and_optimizer(
         train_config, distribution, lambda: objectives.build_model(family, model_config),
         train_config.steps,
     )
     report.info(f"model: {model.count_params():,} parameters {model_config}")
+    report.info(loop.state_line(model, distribution, zero))
     # Recomputation is a training-time choice, not architecture (not in config.json's model).
     if train_config.recompute and not set_recompute(model, True):
         raise ValueError(
@@ -199,6 +200,7 @@ def train(train_config, model_overrides, distribution):
         xla=train_config.xla,
         accumulation_steps=train_config.accumulation_steps,
         towers=towers,
+        zero=zero,
     )
 
     # Data: each worker reads its own part, in an order fixed by the seed.
@@ -228,7 +230,7 @@ def train(train_config, model_overrides, distribution):
 
     # Checkpoints: the chief saves model, optimizer, step and dropout state;
     # every worker saves its own data position beside them.
-    checkpointer = loop.make_checkpointer(train_config, distribution, model, optimizer, step)
+    checkpointer = loop.make_checkpointer(train_config, distribution, model, optimizer, step, zero)
     data_directory = os.path.join(
         out, "data", f"worker-{distribution.rank:05d}-of-{distribution.num_workers:05d}"
     )
@@ -269,7 +271,7 @@ def train(train_config, model_overrides, distribution):
     # Keras 3 creates the optimizer's slots in build(), so rank 0's full
     # state can be broadcast before the first step (Horovod's TF1-era
     # examples had to wait until after it for the slots to exist).
-    distribution.broadcast_variables(model.variables + optimizer.variables + [step])
+    loop.broadcast_state(distribution, model, optimizer, step, zero)
 
     # Loop, and the last save.
     metrics = loop.run_loop(
@@ -305,7 +307,7 @@ def train(train_config, model_overrides, distribution):
     )
     results = evaluate(
         task,
-        EvalStep(model, loss_fn=task.loss, xla=train_config.xla),
+        EvalStep(model, loss_fn=task.loss, xla=train_config.xla, zero=zero),
         batches_naming_bad_shards(validation, train_config.data, "val"),
         distribution,
         train_config.eval_batches,

@@ -1,0 +1,356 @@
+"""ZeRO: sharded data parallelism over Horovod (Rajbhandari et al. 2020).
+
+Every data-parallel worker normally holds the whole model, its gradients
+and both optimizer moments: about 16 bytes per float32 parameter on every
+rank. `ZeroSharding` cuts that state along the first dimension of each
+trainable variable, one slice per rank (`shard_rows`), in three stages:
+
+- stage 1: the optimizer state. Each rank keeps a float32 copy of its
+  slice of every variable (the "shard") and the optimizer's moments for
+  it; gradients are all-reduced whole as in stage 0, each rank updates
+  its shards, and the updated shards are all-gathered into every rank's
+  whole variables.
+- stage 2: and the gradients. Each bucket of gradients is reduce-scattered
+  (averaged, and each rank receives only its rows) as soon as the backward
+  pass has computed it; with gradient accumulation each micro-batch's
+  slices are added up, so no rank holds whole gradients between
+  micro-batches.
+- stage 3: and the parameters. The model's variables give up their
+  storage; only the shards persist. Each transformer block all-gathers its
+  weights when it runs and lets go of them after (with `--recompute` the
+  backward pass gathers them again instead of keeping them), the rest of
+  the model (embeddings, final norm, heads) is gathered around the loss,
+  and the backward pass of every gather is a reduce-scatter of the whole
+  gradients into averaged shard gradients.
+
+Horovod's own gradients of its collectives do not fit this (the gradient
+of `allgather` averages, that of a summing `reducescatter` is N times the
+sum): the gathers here carry their own `tf.custom_gradient`. Bytes per
+rank of float32 parameters, gradients and AdamW's two moments, with P
+parameters and N ranks (`state_bytes`): stage 0 16P; stage 1 8P + 12P/N;
+stage 2 4P + 16P/N; stage 3 16P/N, plus the weights gathered for the unit
+that runs (one block, or the embeddings and heads) and their gradients.
+
+Every rank runs the same collectives in the same order, and every
+collective's output is used (a pruned collective would leave its peers
+waiting).
+
+Example (under `horovodrun -np 2`):
+>>> sharding = ZeroSharding(2, model, optimizer, distribution)
+>>> sharding.shards[0].shape  # the first rows of the first variable
+"""
+
+import contextlib
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfgpt.distributed.horovod_bridge import gradient_buckets
+
+STAGES = (0, 1, 2, 3)
+
+# The optimizer slots that are sharded with their variables: AdamW's and
+# LAMB's first and second moments (`tfgpt.training.optimizers`), by the
+# attribute that lists them in variable order.
+SLOTS = {"momentum": "_momentums", "velocity": "_velocities"}
+
+
+def slot_variables(optimizer):
+    """`{slot name: [variable per trainable variable]}` of a built optimizer."""
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    return {name: list(getattr(inner, attribute, [])) for name, attribute in SLOTS.items()}
+
+
+def shard_rows(rows, size):
+    """`(counts, offsets)`: how `rows` rows are split over `size` ranks.
+
+    Horovod's own split for `reducescatter` and uneven `allgather`: the
+    first `rows % size` ranks get one row more.
+
+    Example:
+    >>> shard_rows(5, 3)
+    ([2, 2, 1], [0, 2, 4])
+    """
+    base, extra = divmod(rows, size)
+    counts = [base + (1 if rank < extra else 0) for rank in range(size)]
+    offsets = [sum(counts[:rank]) for rank in range(size)]
+    return counts, offsets
+
+
+def state_bytes(parameters, stage, size, gathered=0):
+    """Bytes per rank of float32 parameters, gradients and AdamW moments.
+
+    Args:
+        parameters: int. Trainable parameters of the model.
+        stage: int. ZeRO stage.
+        size: int. Data-parallel ranks.
+        gathered: int. Stage 3: parameters of the largest unit gathered at
+            once (`ZeroSharding.largest_unit`).
+
+    Returns:
+        dict of bytes: `parameters` (whole variables, and the float32
+        shards of stages 1-3), `gradients` (at their peak in a step: whole
+        in stages 0 and 1, this rank's rows in 2 and 3), `optimizer` (both
+        moments), `state` (their sum), `gathered` (stage 3: the largest
+        unit's whole weights and gradients, which exist only while it
+        runs) and `total`.
+
+    Example:
+    >>> state_bytes(1000, 3, 2)["state"]
+    8000
+    """
+    shard = -(-parameters // size)  # the largest rank's share
+    result = {
+        "parameters": 4 * {0: parameters, 1: parameters + shard, 2: parameters + shard,
+                           3: shard}[stage],
+        "gradients": 4 * (parameters if stage <= 1 else shard),
+        "optimizer": 8 * (parameters if stage == 0 else shard),
+    }
+    result["state"] = sum(result.values())
+    result["gathered"] = 8 * gathered if stage == 3 else 0
+    result["total"] = result["state"] + result["gathered"]
+    return result
+
+
+def _released(variable):
+    def read(*args, **kwargs):
+        raise RuntimeError(
+            f"{variable.path} is sharded (ZeRO stage 3): its value exists only while "
+            "ZeroSharding gathers it (a block's call, the loss); read the whole weights "
+            "with ZeroSharding.gather_weights()"
+        )
+
+    return read
+
+
+class ZeroSharding:
+    """The shards of a model's trainable variables and optimizer, and the step on them.
+
+    Args:
+        stage: int. 1, 2 or 3 (see the module docstring).
+        model: keras.Model, built, with identical weights on every rank.
+        optimizer: the run's optimizer, not yet built (a
+            `LossScaleOptimizer` under float16); it is built on the shards.
+        distribution: `HorovodDistribution`: its `rank`, `size`,
+            `bucket_bytes` and Horovod module.
+
+    The step (`tfgpt.training.train_step.TrainStep`) asks it for the
+    variables to differentiate (`gradient_sources`), the loss under the
+    gathered weights (`loss_scope`), what to do with each micro-batch's
+    gradients (`reduce_micro_batch`) and with their mean
+    (`reduce_accumulated`), and applies the update with `apply`.
+    """
+
+    def __init__(self, stage, model, optimizer, distribution):
+        if stage not in STAGES[1:]:
+            raise ValueError(f"`stage` must be 1, 2 or 3. Received: stage={stage!r}")
+        self.stage = stage
+        self.model = model
+        self.optimizer = optimizer
+        self._hvd = distribution._hvd
+        self.rank = distribution.rank
+        self.size = distribution.size
+        self.bucket_bytes = distribution.bucket_bytes
+        self.variables = list(model.trainable_variables)
+        self.counts, self.offsets = [], []
+        shards = []
+        for variable in self.variables:
+            if len(variable.shape) == 0:
+                raise ValueError(
+                    f"ZeRO shards variables along their first axis; {variable.path} is a scalar"
+                )
+            counts, offsets = shard_rows(variable.shape[0], self.size)
+            self.counts.append(counts)
+            self.offsets.append(offsets)
+            start, count = offsets[self.rank], counts[self.rank]
+            # The same name as the whole variable: the optimizer's weight
+            # decay exclusions match on it.
+            shards.append(keras.Variable(
+                variable.value[start:start + count], trainable=True, name=variable.name,
+                dtype=variable.dtype,
+            ))
+        self.shards = shards
+        self.optimizer.build(self.shards)
+        self.inner_optimizer = getattr(optimizer, "inner_optimizer", optimizer)
+        self.slot_variables = slot_variables(optimizer)
+        if hasattr(self.inner_optimizer, "norm_sum"):
+            # LAMB's trust ratio needs the norms of whole variables.
+            self.inner_optimizer.norm_sum = self.sum_over_ranks
+        self.units = []
+        if stage == 3:
+            self._install_gathers()
+
+    # --- what the step differentiates and reduces ---------------------------------
+
+    def gradient_sources(self):
+        """The tf.Variables whose gradients the backward pass computes."""
+        if self.stage == 3:
+            return [shard.value for shard in self.shards]
+        return [variable.value for variable in self.variables]
+
+    def loss_scope(self):
+        """Where the loss is computed: stage 3 gathers the weights outside the blocks."""
+        if self.stage == 3:
+            return self._gathered(self._rest)
+        return contextlib.nullcontext()
+
+    def reduce_micro_batch(self, gradients):
+        """One micro-batch's local gradients -> what is accumulated."""
+        if self.stage == 2:
+            return self._reduce_scatter(gradients)
+        return gradients  # stage 1: whole, reduced once; stage 3: already shards
+
+    def reduce_accumulated(self, gradients):
+        """The accumulated gradients -> this rank's averaged shard gradients."""
+        if self.stage != 1:
+            return gradients
+        averaged = [None] * len(gradients)
+        for bucket in gradient_buckets(gradients, self.bucket_bytes):
+            reduced = self._hvd.grouped_allreduce(
+                [gradients[index] for index in bucket], op=self._hvd.Average
+            )
+            for index, gradient in zip(bucket, reduced):
+                averaged[index] = gradient
+        return [
+            gradient[offsets[self.rank]:offsets[self.rank] + counts[self.rank]]
+            for gradient, counts, offsets in zip(averaged, self.counts, self.offsets)
+        ]
+
+    def _reduce_scatter(self, gradients):
+        shards = [None] * len(gradients)
+        for bucket in gradient_buckets(gradients, self.bucket_bytes):
+            reduced = self._hvd.grouped_reducescatter(
+                [gradients[index] for index in bucket], op=self._hvd.Average
+            )
+            for index, shard in zip(bucket, reduced):
+                shards[index] = shard
+        return shards
+
+    def sum_over_ranks(self, values):
+        """Sums a float32 vector over all ranks (partial norms, overflow flags)."""
+        return self._hvd.allreduce(values, op=self._hvd.Sum)
+
+    # --- the update -----------------------------------------------------------------
+
+    def global_norm(self, shard_gradients):
+        """The global norm of the whole averaged gradients, from every rank's shards."""
+        squares = tf.add_n([tf.reduce_sum(tf.square(tf.cast(g, tf.float32)))
+                            for g in shard_gradients])
+        return tf.sqrt(self.sum_over_ranks(tf.reshape(squares, [1]))[0])
+
+    def apply(self, shard_gradients, loss_scale=None):
+        """Updates the shards (and, in stages 1 and 2, the whole variables).
+
+        Returns the global norm of the unscaled gradients. Under float16
+        loss scaling an overflow on any rank makes every rank's gradients
+        non-finite, so every rank's `LossScaleOptimizer` skips the step.
+        """
+        norm = self.global_norm(shard_gradients)
+        if loss_scale is not None:
+            # NaN everywhere when the norm (of every rank's shards) is not finite.
+            poison = norm - norm
+            shard_gradients = [g + tf.cast(poison, g.dtype) for g in shard_gradients]
+            norm = norm / tf.cast(loss_scale, norm.dtype)
+        given_norm = getattr(self.inner_optimizer, "given_gradient_norm", None)
+        with given_norm(norm) if given_norm else contextlib.nullcontext():
+            self.optimizer.apply(shard_gradients, self.shards)
+        if self.stage in (1, 2):
+            with tf.control_dependencies([norm]):
+                self._gather_into_variables()
+        return norm
+
+    def _gather_into_variables(self):
+        values = [shard.value for shard in self.shards]
+        for bucket in gradient_buckets(values, self.bucket_bytes):
+            gathered = self._hvd.grouped_allgather([values[index] for index in bucket])
+            for index, value in zip(bucket, gathered):
+                self.variables[index].assign(value)
+
+    def gather_weights(self):
+        """The whole value of every trainable variable, in model order (all ranks call it)."""
+        return self._hvd.grouped_allgather([shard.value for shard in self.shards])
+
+    def load_shards(self, values):
+        """Assigns this rank's shard values and, in stages 1 and 2, gathers the whole weights."""
+        for shard, value in zip(self.shards, values):
+            shard.assign(value)
+        if self.stage in (1, 2):
+            self._gather_into_variables()
+
+    # --- stage 3: weights that exist only while they are used -----------------------
+
+    def _install_gathers(self):
+        from tfgpt.layers.transformer_block import TransformerBlock
+
+        index_of = {id(variable): index for index, variable in enumerate(self.variables)}
+        in_blocks = set()
+        for layer in self.model._flatten_layers():
+            if isinstance(layer, TransformerBlock):
+                indices = [index_of[id(v)] for v in layer.trainable_variables]
+                in_blocks.update(indices)
+                layer.weights_scope = (lambda indices=indices: self._gathered(indices))
+                self.units.append(indices)
+        self._rest = [index for index in range(len(self.variables)) if index not in in_blocks]
+        self.units.append(self._rest)
+        for variable in self.variables:
+            variable._value = None  # the storage goes; only the shards persist
+            variable._initializer = _released(variable)
+
+    def materialize(self):
+        """Gives every variable its whole value back and stops gathering (stage 3).
+
+        For what runs the whole model after training (a fine-tuning's
+        predictions); the step must not run again.
+        """
+        if self.stage != 3:
+            return
+        for variable, value in zip(self.variables, self.gather_weights()):
+            variable._initialize(value)
+        for layer in self.model._flatten_layers():
+            if getattr(layer, "weights_scope", None) is not None:
+                layer.weights_scope = None
+        self._rest = []
+
+    def largest_unit(self):
+        """Parameters of the largest set of weights gathered at once (stage 3)."""
+        return max(
+            (sum(int(np.prod(self.variables[i].shape)) for i in unit) for unit in self.units),
+            default=0,
+        )
+
+    @contextlib.contextmanager
+    def _gathered(self, indices):
+        if not indices:
+            yield
+            return
+        gathered = self._gather([self.shards[index].value for index in indices])
+        variables = [self.variables[index] for index in indices]
+        for variable, value in zip(variables, gathered):
+            # allgather leaves the first dimension unknown to the graph.
+            variable._value = tf.ensure_shape(value, variable.shape)
+        try:
+            yield
+        finally:
+            for variable in variables:
+                variable._value = None
+
+    def _gather(self, shard_values):
+        hvd = self._hvd
+
+        @tf.custom_gradient
+        def gather(*shards):
+            # Reads of the shard variables go in, so the tape (and
+            # tf.recompute_grad) reaches the variables through them.
+            wholes = hvd.grouped_allgather(list(shards))
+
+            def gradient(*upstream):
+                upstream = [
+                    tf.zeros_like(whole) if g is None else tf.convert_to_tensor(g)
+                    for g, whole in zip(upstream, wholes)
+                ]
+                return hvd.grouped_reducescatter(upstream, op=hvd.Average)
+
+            return wholes, gradient
+
+        return gather(*[tf.convert_to_tensor(value) for value in shard_values])
