@@ -1,17 +1,24 @@
 """ZeRO against whole-state training: run under horovodrun, or alone for the oracle.
 
-Each rank trains a tiny GPT for STEPS steps on its own batches through
-`TrainStep`, with `--zero-stage` S (0: whole state); run as one process
-with `--global`, it trains on every rank's batches at once (the global
-batch). Writes OUT/<tag>-rank-R.npz with the final whole weights (in
-model order), the losses and the gradient norms.
+Every step has a global batch of GLOBAL_ROWS sequences; each of N ranks
+trains a tiny GPT on its 1/N of the rows through `TrainStep` with ZeRO
+stage S (0: whole state), or one process (`--global`, no Horovod) on all
+of them. Writes OUT/<tag>-rank-R.npz with the final whole weights (in
+model order), the losses (averaged over the ranks), the gradient norms
+and the optimizer's iteration count.
 
-Usage: zero_check.py OUT TAG --stage S [--ranks N] [--global] [--optimizer
+`--stop-at K --checkpoint DIR` saves a checkpoint at step K in DIR and
+stops; `--checkpoint DIR` alone resumes from DIR's latest (whatever world
+size or stage wrote it) and trains to STEPS.
+
+Usage: zero_check.py OUT TAG [--stage S] [--global] [--optimizer
 adamw|lamb] [--accumulation K] [--clip C] [--recompute] [--precision
-off|bfloat16|float16] [--overflow-step K] [--towers K]
+off|bfloat16|float16] [--overflow-step K] [--towers K] [--checkpoint DIR
+[--stop-at K]]
 """
 
 import argparse
+import types
 
 import keras
 import numpy as np
@@ -26,17 +33,18 @@ from tfgpt.training.train_step import TrainStep, cross_entropy
 
 STEPS = 6
 VOCABULARY = 37
-BATCH = 2  # per rank and micro-batch
+GLOBAL_ROWS = 12  # per micro-batch: 6 per rank on 2, 4 on 3
 LENGTH = 7
 
 
-def batches_of(rank, accumulation):
-    """Rank `rank`'s STEPS batches, (K, B, T) with accumulation K > 1."""
-    rng = np.random.default_rng(1000 + rank)
-    shape = (accumulation, BATCH, LENGTH) if accumulation > 1 else (BATCH, LENGTH)
+def batches_of(rank, size, accumulation):
+    """This rank's rows of the STEPS global batches; (K, B, T) with accumulation K > 1."""
+    rng = np.random.default_rng(1000)
+    shape = (accumulation, GLOBAL_ROWS, LENGTH) if accumulation > 1 else (GLOBAL_ROWS, LENGTH)
+    rows = slice(rank * GLOBAL_ROWS // size, (rank + 1) * GLOBAL_ROWS // size)
+    cut = (lambda a: a[:, rows]) if accumulation > 1 else (lambda a: a[rows])
     return [
-        (rng.integers(0, VOCABULARY, shape).astype("int32"),
-         rng.integers(0, VOCABULARY, shape).astype("int32"))
+        tuple(cut(rng.integers(0, VOCABULARY, shape).astype("int32")) for _ in range(2))
         for _ in range(STEPS)
     ]
 
@@ -46,7 +54,6 @@ def main():
     parser.add_argument("out")
     parser.add_argument("tag")
     parser.add_argument("--stage", type=int, default=0)
-    parser.add_argument("--ranks", type=int, default=2, help="with --global: whose data")
     parser.add_argument("--global", dest="global_batch", action="store_true")
     parser.add_argument("--optimizer", default="adamw")
     parser.add_argument("--accumulation", type=int, default=1)
@@ -55,6 +62,8 @@ def main():
     parser.add_argument("--precision", default="off")
     parser.add_argument("--overflow-step", type=int, default=-1)
     parser.add_argument("--towers", type=int, default=1)
+    parser.add_argument("--checkpoint")
+    parser.add_argument("--stop-at", type=int, default=0)
     args = parser.parse_args()
 
     if args.global_batch:
@@ -99,28 +108,34 @@ def main():
 
     step = TrainStep(model, optimizer, distribution, loss_fn=loss_fn,
                      accumulation_steps=args.accumulation, towers=args.towers, zero=zero)
-    if args.global_batch:
-        per_rank = [batches_of(rank, args.accumulation) for rank in range(args.ranks)]
-        axis = 1 if args.accumulation > 1 else 0
-        batches = [
-            tuple(np.concatenate([rank[index][part] for rank in per_rank], axis=axis)
-                  for part in (0, 1))
-            for index in range(STEPS)
-        ]
-    else:
-        batches = batches_of(distribution.rank, args.accumulation)
+    batches = batches_of(distribution.rank, distribution.size, args.accumulation)
+    start, checkpointer = 0, None
+    if args.checkpoint:
+        from tfgpt.training import loop
+
+        step_variable = tf.Variable(0, dtype=tf.int64)
+        checkpointer = loop.make_checkpointer(
+            types.SimpleNamespace(out=args.checkpoint, keep_checkpoints=2), distribution, model,
+            optimizer, step_variable, zero,
+        )
+        if not args.stop_at:
+            checkpointer.restore_latest()
+            start = int(step_variable.numpy())
     losses, norms = [], []
-    for index, batch in enumerate(batches):
+    for index in range(start, args.stop_at or STEPS):
         overflow.assign(index == args.overflow_step)
-        metrics = step(batch)
-        losses.append(float(metrics["loss"]))
+        metrics = step(batches[index])
+        losses.append(float(distribution.allreduce_mean(metrics["loss"])))
         norms.append(float(metrics["gradient_norm"]))
+    if args.stop_at:
+        step_variable.assign(args.stop_at)
+        checkpointer.save(args.stop_at)
     weights = ([w.numpy() for w in zero.gather_weights()] if zero
                else [v.numpy() for v in model.trainable_variables])
     iterations = int(getattr(optimizer, "inner_optimizer", optimizer).iterations.numpy())
     np.savez(
         f"{args.out}/{args.tag}-rank-{distribution.rank}.npz",
-        losses=np.array(losses), norms=np.array(norms), iterations=iterations,
+        losses=np.array(losses), norms=np.array(norms), iterations=iterations, start=start,
         **{f"weight_{i}": w for i, w in enumerate(weights)},
     )
 

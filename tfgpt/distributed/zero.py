@@ -7,14 +7,15 @@ trainable variable, one slice per rank (`shard_rows`), in three stages:
 
 - stage 1: the optimizer state. Each rank keeps a float32 copy of its
   slice of every variable (the "shard") and the optimizer's moments for
-  it; gradients are all-reduced whole as in stage 0, each rank updates
-  its shards, and the updated shards are all-gathered into every rank's
-  whole variables.
-- stage 2: and the gradients. Each bucket of gradients is reduce-scattered
-  (averaged, and each rank receives only its rows) as soon as the backward
-  pass has computed it; with gradient accumulation each micro-batch's
-  slices are added up, so no rank holds whole gradients between
-  micro-batches.
+  it; each bucket of gradients is reduce-scattered (averaged, each rank
+  receiving only its rows) as soon as the backward pass has computed it,
+  each rank updates its shards, and the updated shards are all-gathered
+  into every rank's whole variables. With gradient accumulation the
+  micro-batches' whole gradients are added up first.
+- stage 2: and the gradients: with accumulation each micro-batch's
+  gradients are reduce-scattered and only the rows are added up, so no
+  rank holds whole gradients between micro-batches (without accumulation
+  stages 1 and 2 run the same step).
 - stage 3: and the parameters. The model's variables give up their
   storage; only the shards persist. Each transformer block all-gathers its
   weights when it runs and lets go of them after (with `--recompute` the
@@ -205,17 +206,7 @@ class ZeroSharding:
         """The accumulated gradients -> this rank's averaged shard gradients."""
         if self.stage != 1:
             return gradients
-        averaged = [None] * len(gradients)
-        for bucket in gradient_buckets(gradients, self.bucket_bytes):
-            reduced = self._hvd.grouped_allreduce(
-                [gradients[index] for index in bucket], op=self._hvd.Average
-            )
-            for index, gradient in zip(bucket, reduced):
-                averaged[index] = gradient
-        return [
-            gradient[offsets[self.rank]:offsets[self.rank] + counts[self.rank]]
-            for gradient, counts, offsets in zip(averaged, self.counts, self.offsets)
-        ]
+        return self._reduce_scatter(gradients)
 
     def _reduce_scatter(self, gradients):
         shards = [None] * len(gradients)

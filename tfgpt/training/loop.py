@@ -166,7 +166,9 @@ def state_line(model, distribution, zero):
     parameters = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
     sizes = state_bytes(parameters, stage, distribution.size,
                         gathered=zero.largest_unit() if zero and stage == 3 else 0)
-    gib = lambda count: f"{count / 2**30:.2f} GiB"  # noqa: E731
+    def gib(count):
+        return f"{count / 2**30:.2f} GiB" if count >= 2**30 else f"{count / 2**20:.1f} MiB"
+
     line = (
         f"state per rank (ZeRO stage {stage}, {distribution.size} rank(s)): parameters "
         f"{gib(sizes['parameters'])}, gradients {gib(sizes['gradients'])}, optimizer "

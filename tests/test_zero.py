@@ -1,0 +1,217 @@
+"""ZeRO stages 1-3 (tfgpt.distributed.zero): the same training as whole state, less memory.
+
+The multi-process tests run `tests/hvd_scripts/zero_check.py` under
+`horovodrun` (each rank on its rows of the same global batches) and
+compare the final whole weights with one process trained on the whole
+global batches (`--global`) and with stage 0.
+"""
+
+import json
+import os
+import shutil
+import sys
+
+import numpy as np
+import pytest
+
+from tests.launch import REPO, horovodrun, run
+
+SCRIPT = REPO / "tests" / "hvd_scripts" / "zero_check.py"
+TINY_MODEL = [
+    "--num-layers", "2", "--num-heads", "2", "--hidden-dim", "32",
+    "--intermediate-dim", "48", "--max-sequence-length", "16",
+]
+
+
+# ---- The split and the byte counts (no processes) ------------------------------
+
+
+@pytest.mark.parametrize("rows, size", [(5, 3), (2, 3), (7, 2), (6, 3), (1, 1)])
+def test_shard_rows_is_numpys_array_split(rows, size):
+    from tfgpt.distributed.zero import shard_rows
+
+    counts, offsets = shard_rows(rows, size)
+    parts = np.array_split(np.arange(rows), size)  # the first rows % size get one more
+    assert counts == [len(part) for part in parts]
+    assert offsets == list(np.cumsum([0] + counts[:-1]))
+    for count, offset, part in zip(counts, offsets, parts):
+        np.testing.assert_array_equal(np.arange(offset, offset + count), part)
+
+
+def test_state_bytes_per_stage_at_two_ranks():
+    from tfgpt.distributed.zero import state_bytes
+
+    parameters = 1000
+    state = {stage: state_bytes(parameters, stage, 2)["state"] for stage in range(4)}
+    # 16 bytes a parameter whole; the moments, then gradients, then weights split.
+    assert state == {0: 16000, 1: 4000 + 2000 + 4000 + 4000, 2: 6000 + 2000 + 4000,
+                     3: 2000 + 2000 + 4000}
+    assert state[3] / state[0] == 0.5
+    with_unit = state_bytes(parameters, 3, 2, gathered=100)
+    assert with_unit["gathered"] == 800 and with_unit["total"] == 8800
+    assert state_bytes(parameters, 2, 2, gathered=100)["gathered"] == 0
+    assert state_bytes(1001, 3, 2)["optimizer"] == 8 * 501  # the larger rank's share
+
+
+# ---- Equivalence with whole-state training -------------------------------------
+
+
+def _train(tmp_path, tag, ranks, *flags):
+    if ranks == 0:
+        code, output = run([sys.executable, SCRIPT, tmp_path, tag, "--global", *flags])
+    else:
+        code, output = horovodrun(ranks, SCRIPT, tmp_path, tag, *flags)
+    assert code == 0, output
+    return [np.load(tmp_path / f"{tag}-rank-{rank}.npz") for rank in range(max(ranks, 1))]
+
+
+def _weights(result):
+    return [result[key] for key in sorted((k for k in result if k.startswith("weight_")),
+                                          key=lambda k: int(k.split("_")[1]))]
+
+
+def _assert_weights_close(results, oracle, atol, what):
+    expected = _weights(oracle)
+    for rank, result in enumerate(results):
+        got = _weights(result)
+        assert len(got) == len(expected)
+        for index, (a, b) in enumerate(zip(got, expected)):
+            np.testing.assert_allclose(a, b, rtol=0, atol=atol,
+                                       err_msg=f"{what}, rank {rank}, weight {index}")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_stages_match_whole_state_and_one_process_adamw_with_clipping(tmp_path):
+    flags = ["--clip", "0.3"]
+    oracle = _train(tmp_path, "global", 0, *flags)[0]
+    stage0 = _train(tmp_path, "s0", 2, "--stage", "0", *flags)
+    _assert_weights_close(stage0, oracle, 1e-5, "stage 0 against one process")
+    for stage in (1, 2, 3):
+        results = _train(tmp_path, f"s{stage}", 2, "--stage", str(stage), *flags)
+        _assert_weights_close(results, oracle, 1e-5, f"stage {stage} against one process")
+        _assert_weights_close(results, stage0[0], 1e-5, f"stage {stage} against stage 0")
+        np.testing.assert_allclose(results[0]["norms"], oracle["norms"], rtol=1e-5)
+    # Clipping was active: the first steps' norms are above the clip.
+    assert oracle["norms"][0] > 0.3
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_uneven_shards_on_three_ranks_lamb_with_accumulation_and_clipping(tmp_path):
+    # 3 ranks: the tiny GPT's first dimensions (37, 7, 8, 24, ...) mostly do
+    # not divide by 3, and the 8-row tables leave one rank fewer rows.
+    flags = ["--optimizer", "lamb", "--clip", "0.3", "--accumulation", "2"]
+    oracle = _train(tmp_path, "global", 0, *flags)[0]
+    for stage in (1, 2, 3):
+        results = _train(tmp_path, f"s{stage}", 3, "--stage", str(stage), *flags)
+        _assert_weights_close(results, oracle, 1e-5, f"LAMB, stage {stage}, 3 ranks")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_stage_3_with_recompute_and_accumulation_on_three_ranks(tmp_path):
+    flags = ["--accumulation", "2"]
+    oracle = _train(tmp_path, "global", 0, *flags)[0]
+    results = _train(tmp_path, "s3", 3, "--stage", "3", "--recompute", *flags)
+    _assert_weights_close(results, oracle, 1e-5, "stage 3 with --recompute")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_float16_overflow_on_one_rank_is_skipped_by_every_rank(tmp_path):
+    flags = ["--precision", "float16", "--overflow-step", "2"]
+    stage0 = _train(tmp_path, "s0", 2, "--stage", "0", *flags)
+    stage3 = _train(tmp_path, "s3", 2, "--stage", "3", *flags)
+    for result in stage0 + stage3:
+        # 6 steps, one skipped: rank 0's loss alone was infinite at step 3.
+        assert int(result["iterations"]) == 5
+    _assert_weights_close(stage3, stage0[0], 1e-3, "float16 stage 3 against stage 0")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_bfloat16_stage_2_matches_stage_0_to_its_precision(tmp_path):
+    flags = ["--precision", "bfloat16"]
+    stage0 = _train(tmp_path, "s0", 2, "--stage", "0", *flags)
+    stage2 = _train(tmp_path, "s2", 2, "--stage", "2", *flags)
+    _assert_weights_close(stage2, stage0[0], 2e-2, "bfloat16 stage 2 against stage 0")
+
+
+# ---- Checkpoints that outlive the world size -----------------------------------
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_stage_3_checkpoint_of_two_ranks_resumes_on_one_and_three(tmp_path):
+    straight = _train(tmp_path, "straight", 2, "--stage", "3")[0]
+    checkpoint = tmp_path / "checkpoint"
+    _train(tmp_path, "first-half", 2, "--stage", "3", "--stop-at", "3",
+           "--checkpoint", checkpoint)
+    layout = json.loads((checkpoint / "zero" / "ckpt-3" / "layout.json").read_text())
+    assert layout["world_size"] == 2 and layout["stage"] == 3
+    assert sorted(os.listdir(checkpoint / "zero" / "ckpt-3")) == [
+        "layout.json", "rank-00000-of-00002.npz", "rank-00001-of-00002.npz"]
+    for ranks, stage in ((1, 3), (3, 3), (3, 1), (2, 0)):
+        resumed_from = tmp_path / f"copy-{ranks}-{stage}"
+        shutil.copytree(checkpoint, resumed_from)
+        results = _train(tmp_path, f"resumed-{ranks}-{stage}", ranks, "--stage", str(stage),
+                         "--checkpoint", resumed_from)
+        assert int(results[0]["start"]) == 3
+        np.testing.assert_allclose(results[0]["losses"], straight["losses"][3:], rtol=0,
+                                   atol=1e-5, err_msg=f"{ranks} ranks, stage {stage}")
+        _assert_weights_close(results, straight, 1e-5, f"resumed on {ranks}, stage {stage}")
+
+
+def _shard_files(run_dir, step):
+    directory = run_dir / "zero" / f"ckpt-{step}"
+    return {name: dict(np.load(directory / name)) for name in sorted(os.listdir(directory))
+            if name.endswith(".npz")}
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_train_hvd_stage_3_sigkill_resume_is_bitwise_and_generate_reads_it(tiny_data, tmp_path):
+    def command(run_dir, *extra):
+        return [REPO / "train_hvd.py", "--data", tiny_data, "--out", run_dir, "--steps", "8",
+                "--save-every", "4", "--log-every", "2", "--batch-size", "4",
+                "--dropout", "0.1", "--eval-batches", "1", "--peak-flops", "1e11",
+                "--zero-stage", "3", *TINY_MODEL, *extra]
+
+    code, output = horovodrun(2, *command(tmp_path / "straight"))
+    assert code == 0, output
+    assert "state per rank (ZeRO stage 3, 2 rank(s))" in output
+    code, output = horovodrun(2, *command(tmp_path / "killed"),
+                              env={"TFGPT_FAULT_KILL_AFTER_SAVE": "4"})
+    assert code != 0 and not (tmp_path / "killed" / "ckpt-8.index").exists(), output
+    code, output = horovodrun(2, *command(tmp_path / "killed", "--resume"))
+    assert code == 0, output
+    assert "resumed from" in output and "next unseen batch" in output
+    straight, resumed = (_shard_files(tmp_path / name, 8) for name in ("straight", "killed"))
+    assert straight.keys() == resumed.keys() and len(straight) == 2
+    for name in straight:
+        for key in straight[name]:
+            if key != "meta":
+                np.testing.assert_array_equal(straight[name][key], resumed[name][key],
+                                              err_msg=f"{name} {key}")
+
+    # tfgpt.generate (through tfgpt.loading) reads the shards directly.
+    code, output = run([sys.executable, "-m", "tfgpt.generate", tmp_path / "straight",
+                        "--prompt", "the", "--max-new-tokens", "4"])
+    assert code == 0, output
+
+    # A shard file missing, or one from another run: one line, nothing written.
+    broken = tmp_path / "broken"
+    shutil.copytree(tmp_path / "straight", broken)
+    (broken / "zero" / "ckpt-8" / "rank-00001-of-00002.npz").unlink()
+    before = sorted(os.listdir(broken))
+    code, output = run([sys.executable, *command(broken, "--resume", "--steps", "10")])
+    assert code == 2, output
+    assert "shard file(s) are missing" in output and "Traceback" not in output
+    assert sorted(os.listdir(broken)) == before
+    shutil.copy(tmp_path / "killed" / "zero" / "ckpt-8" / "rank-00001-of-00002.npz",
+                broken / "zero" / "ckpt-8")
+    code, output = run([sys.executable, *command(broken, "--resume", "--steps", "10")])
+    assert code == 2, output
+    assert "does not belong to this checkpoint" in output and "Traceback" not in output
+    assert not (broken / "ckpt-10.index").exists()
