@@ -463,8 +463,8 @@ def main(argv=None):
     )
     parser.add_argument(
         "--presets", nargs="+", default=["gpt-mini", "gpt2-small"], choices=list(GPT_PRESETS),
-        metavar="PRESET", help=f"GPT presets to measure, each with and without recomputation "
-        f"(with --zero-stage: as --recompute says) (choices: {', '.join(GPT_PRESETS)})",
+        metavar="PRESET", help=f"GPT presets to measure: each with and without recomputation, or with "
+        f"--zero-stage as --recompute says (choices: {', '.join(GPT_PRESETS)})",
     )
     parser.add_argument("--batch-size", type=int, default=1, help="sequences per step (per rank)")
     parser.add_argument("--sequence-length", type=int, default=0, metavar="T",
@@ -477,8 +477,8 @@ def main(argv=None):
         f"horovodrun job (choices: {', '.join(map(str, ZERO_STAGES))}; 0: whole state on "
         "every rank, the ratios' baseline)",
     )
-    parser.add_argument("--workers", type=int, nargs="+", metavar="N",
-                        help="with --zero-stage: horovodrun -np N for each N (default: 1)")
+    parser.add_argument("--workers", type=int, nargs="+", default=[1], metavar="N",
+                        help="with --zero-stage: horovodrun -np N for each N")
     parser.add_argument("--recompute", action="store_true",
                         help="with --zero-stage: recompute the blocks in every run (stage 3 "
                         "gathers their weights again in the backward pass instead of keeping "
@@ -495,7 +495,7 @@ def main(argv=None):
     )
     args = parser.parse_args(argv)
     if args.zero_stage is None:
-        for flag, value in (("--workers", args.workers), ("--recompute", args.recompute),
+        for flag, value in (("--workers", args.workers != [1]), ("--recompute", args.recompute),
                             ("--budget-gb", args.budget_gb)):
             if value:
                 parser.error(f"{flag} applies to --zero-stage runs (without it every preset "
@@ -514,14 +514,13 @@ def main(argv=None):
             json.dump(rows, file, indent=2)
         return
 
-    workers = args.workers or [1]
-    if any(count < 1 for count in workers):
-        parser.error(f"--workers must be positive. Received: {workers}")
+    if any(count < 1 for count in args.workers):
+        parser.error(f"--workers must be positive. Received: {args.workers}")
     if args.budget_gb is not None and not args.budget_gb > 0:
         parser.error(f"--budget-gb must be positive. Received: {args.budget_gb}")
     rows = []
     for preset in args.presets:
-        for count in workers:
+        for count in args.workers:
             for stage in args.zero_stage:
                 row = measure_zero(preset, stage, count, args.batch_size, args.recompute,
                                    xla=args.xla, steps=args.steps,
