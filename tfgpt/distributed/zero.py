@@ -253,7 +253,10 @@ class ZeroSharding:
 
     def _gather_into_variables(self):
         values = [shard.value for shard in self.shards]
-        for bucket in gradient_buckets(values, self.bucket_bytes):
+        # Buckets cut by the whole variables' sizes, the same on every rank
+        # (the shards' sizes differ when the rows do not divide evenly).
+        wholes = [tf.TensorSpec(v.shape, v.dtype) for v in self.variables]
+        for bucket in gradient_buckets(wholes, self.bucket_bytes):
             gathered = self._hvd.grouped_allgather([values[index] for index in bucket])
             for index, value in zip(bucket, gathered):
                 self.variables[index].assign(value)

@@ -243,6 +243,11 @@ class ShardedCheckpointer:
         if not path:
             return None
         zero = self.zero
+        if not is_sharded(path) and not os.path.isdir(shard_directory(self.directory, step_of(path))):
+            raise ValueError(
+                f"{path} holds whole state (written with --zero-stage 0): resume it with "
+                "--zero-stage 0; a --zero-stage 1-3 run resumes checkpoints of such runs"
+            )
         reader = ShardReader(self.directory, step_of(path))
         try:
             reader.check_variables(zero.variables, "this model")
