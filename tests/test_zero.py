@@ -126,7 +126,9 @@ def test_float16_overflow_on_one_rank_is_skipped_by_every_rank(tmp_path):
     for result in stage0 + stage3:
         # 6 steps, one skipped: rank 0's loss alone was infinite at step 3.
         assert int(result["iterations"]) == 5
-    _assert_weights_close(stage3, stage0[0], 1e-3, "float16 stage 3 against stage 0")
+    # float16 activations: one process and 2 ranks of stage 0 differ by
+    # about 8e-4 here (another order of the same sums), so 5e-3.
+    _assert_weights_close(stage3, stage0[0], 5e-3, "float16 stage 3 against stage 0")
 
 
 @pytest.mark.distributed
@@ -195,9 +197,17 @@ def test_train_hvd_stage_3_sigkill_resume_is_bitwise_and_generate_reads_it(tiny_
                 np.testing.assert_array_equal(straight[name][key], resumed[name][key],
                                               err_msg=f"{name} {key}")
 
-    # tfgpt.generate (through tfgpt.loading) reads the shards directly.
-    code, output = run([sys.executable, "-m", "tfgpt.generate", tmp_path / "straight",
-                        "--prompt", "the", "--max-new-tokens", "4"])
+    # tfgpt.loading (generate, export, convert) reads the shards directly:
+    # each weight is the two ranks' rows, one after the other.
+    from tfgpt.loading import load_model
+
+    model, _ = load_model(str(tmp_path / "straight"))
+    rank_files = [straight[name] for name in sorted(straight)]
+    for index, variable in enumerate(model.trainable_variables):
+        np.testing.assert_array_equal(
+            variable.numpy(), np.concatenate([f[f"param/{index}"] for f in rank_files]))
+    code, output = run([sys.executable, "-m", "tfgpt.generate", "--checkpoint",
+                        tmp_path / "straight", "--prompt", "the", "--max-new-tokens", "4"])
     assert code == 0, output
 
     # A shard file missing, or one from another run: one line, nothing written.

@@ -25,6 +25,7 @@ from tfgpt.config.models import ENCODER_FAMILIES, FAMILIES, family_of_preset
 from tfgpt.convert_encoders import hf_encoder_config, load_hf_weights
 from tfgpt.models.sequence_classifier import SequenceClassifier
 from tfgpt.models.span_question_answerer import SpanQuestionAnswerer
+from tfgpt.training import sharded_checkpoint
 from tfgpt.training.train_step import cross_entropy
 
 
@@ -100,6 +101,9 @@ def restore_backbone(backbone, directory, checkpoint_path=None):
     path = checkpoint_path or tf.train.latest_checkpoint(directory)
     if path is None:
         raise ValueError(f"--init {directory}: config.json but no checkpoint (ckpt-N)")
+    if sharded_checkpoint.is_sharded(path):
+        _restore_backbone_from_shards(backbone, directory, path)
+        return path
     # Pretraining (Bert/Albert) and fine-tuning models all keep the encoder
     # under `model.backbone`; restore through a stand-in for `model`.
     checkpoint = tf.train.Checkpoint(model=tf.train.Checkpoint(backbone=backbone))
@@ -124,6 +128,28 @@ def restore_backbone(backbone, directory, checkpoint_path=None):
             f"another architecture): {message}"
         ) from None
     return path
+
+
+def _restore_backbone_from_shards(backbone, directory, path):
+    """The backbone's weights from a ZeRO run's shards, matched by their path below the backbone."""
+    reader = sharded_checkpoint.ShardReader(directory, sharded_checkpoint.step_of(path))
+    try:
+        saved = {}
+        for index, entry in enumerate(reader.layout["variables"]):
+            # A pretraining or task model keeps the encoder under `backbone/`.
+            below = entry["path"].split("backbone/", 1)[-1]
+            saved[below] = (index, entry["shape"])
+        for variable in backbone.trainable_variables:
+            below = variable.path.split("/", 1)[-1]
+            if below not in saved or saved[below][1] != list(variable.shape):
+                raise ValueError(
+                    f"--init {directory}: {os.path.basename(path)} does not hold the "
+                    f"{type(backbone).__name__} that its config.json describes (no "
+                    f"{below} {tuple(variable.shape)} in its shards)"
+                )
+            variable.assign(reader.whole("param", saved[below][0]))
+    finally:
+        reader.close()
 
 
 def build_backbone(config, model_overrides, tokenizer_vocabulary):
