@@ -318,7 +318,9 @@ class ZeroSharding:
         if not indices:
             yield
             return
-        gathered = self._gather([self.shards[index].value for index in indices])
+        # The tf.Variables themselves: `.value` inside a layer's call is
+        # cast to the compute dtype (bfloat16), which Horovod cannot gather.
+        gathered = self._gather([self.shards[index]._value for index in indices])
         variables = [self.variables[index] for index in indices]
         for variable, value in zip(variables, gathered):
             # allgather leaves the first dimension unknown to the graph.
