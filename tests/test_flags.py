@@ -251,6 +251,10 @@ def test_an_unknown_flag_is_argparses_error(script, capsys):
      "argument --strategy: invalid choice: 'ring'"),
     ("finetune_mirrored", ["--train-file", "t", "--init", "i", "--logical-cpus", "-2"],
      "`logical_cpus` must be a non-negative integer. Received: logical_cpus=-2"),
+    ("train_hvd", ["--data", "d", "--zero-stage", "4"],
+     "argument --zero-stage: invalid choice: 4 (choose from 0, 1, 2, 3)"),
+    ("finetune_hvd", ["--train-file", "t", "--init", "i", "--zero-stage", "-1"],
+     "argument --zero-stage: invalid choice: -1"),
 ])
 def test_bad_distribution_flags_exit_with_one_error_line(script, argv, message, capsys):
     error = _exit_message(__import__(script).main, argv, capsys)
@@ -259,6 +263,8 @@ def test_bad_distribution_flags_exit_with_one_error_line(script, argv, message, 
 
 
 def test_distribution_options_refuse_bad_values():
+    with pytest.raises(ValueError, match=r"zero_stage=4"):
+        HorovodOptions(zero_stage=4)
     with pytest.raises(ValueError, match=r"allreduce_bucket_mb=-0.5"):
         HorovodOptions(allreduce_bucket_mb=-0.5)
     with pytest.raises(ValueError, match=r"`strategy` must be one of .* strategy='ring'"):

@@ -94,6 +94,9 @@ def test_stages_match_whole_state_and_one_process_adamw_with_clipping(tmp_path):
         np.testing.assert_allclose(results[0]["norms"], oracle["norms"], rtol=1e-5)
     # Clipping was active: the first steps' norms are above the clip.
     assert oracle["norms"][0] > 0.3
+    # --xla compiles the forward and backward pass; the collectives stay outside.
+    results = _train(tmp_path, "s2-xla", 2, "--stage", "2", "--xla", *flags)
+    _assert_weights_close(results, oracle, 1e-5, "stage 2 with --xla against one process")
 
 
 @pytest.mark.distributed
@@ -225,3 +228,19 @@ def test_train_hvd_stage_3_sigkill_resume_is_bitwise_and_generate_reads_it(tiny_
     assert code == 2, output
     assert "does not belong to this checkpoint" in output and "Traceback" not in output
     assert not (broken / "ckpt-10.index").exists()
+
+
+@pytest.mark.distributed
+def test_stage_3_refuses_xla_and_one_worker_says_it_shards_nothing(tiny_data, tmp_path):
+    flags = [REPO / "train_hvd.py", "--data", tiny_data, "--steps", "2", "--batch-size", "4",
+             "--warmup-steps", "1", "--eval-batches", "1", "--peak-flops", "1e11", *TINY_MODEL]
+    code, output = run([sys.executable, *flags, "--out", tmp_path / "xla", "--zero-stage", "3",
+                        "--xla"])
+    assert code == 2 and "Traceback" not in output, output
+    assert "error: --xla cannot compile a --zero-stage 3 step" in output
+    assert not (tmp_path / "xla" / "ckpt-2.index").exists()
+    code, output = run([sys.executable, *flags, "--out", tmp_path / "one", "--zero-stage", "2"])
+    assert code == 0, output
+    assert "warning: --zero-stage 2 with one worker shards nothing" in output
+    assert "state per rank (ZeRO stage 2, 1 rank(s))" in output
+    assert (tmp_path / "one" / "zero" / "ckpt-2" / "rank-00000-of-00001.npz").exists()

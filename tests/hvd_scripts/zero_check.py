@@ -13,7 +13,7 @@ size or stage wrote it) and trains to STEPS.
 
 Usage: zero_check.py OUT TAG [--stage S] [--global] [--optimizer
 adamw|lamb] [--accumulation K] [--clip C] [--recompute] [--precision
-off|bfloat16|float16] [--overflow-step K] [--towers K] [--checkpoint DIR
+off|bfloat16|float16] [--overflow-step K] [--towers K] [--xla] [--checkpoint DIR
 [--stop-at K]]
 """
 
@@ -62,6 +62,7 @@ def main():
     parser.add_argument("--precision", default="off")
     parser.add_argument("--overflow-step", type=int, default=-1)
     parser.add_argument("--towers", type=int, default=1)
+    parser.add_argument("--xla", action="store_true")
     parser.add_argument("--checkpoint")
     parser.add_argument("--stop-at", type=int, default=0)
     args = parser.parse_args()
@@ -107,7 +108,8 @@ def main():
         return loss * tf.where(blow_up, np.float32(np.inf), np.float32(1.0)), {}
 
     step = TrainStep(model, optimizer, distribution, loss_fn=loss_fn,
-                     accumulation_steps=args.accumulation, towers=args.towers, zero=zero)
+                     accumulation_steps=args.accumulation, towers=args.towers, zero=zero,
+                     xla=args.xla)
     batches = batches_of(distribution.rank, distribution.size, args.accumulation)
     start, checkpointer = 0, None
     if args.checkpoint:
