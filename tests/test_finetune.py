@@ -521,3 +521,27 @@ def test_classification_from_a_hugging_face_bert_directory(sst2, tmp_path):
     assert (tmp_path / "run" / "vocab.txt").exists()
     saved = json.loads((tmp_path / "run" / "config.json").read_text())
     assert saved["model"]["hidden_dim"] == 16 and saved["model"]["dropout"] == 0.0
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_zero_stage_3_pretraining_and_finetuning_match_stage_0(encoder_run, sst2, tmp_path):
+    """A BERT pretrained with --zero-stage 3 (weights only in shards) is the
+    --init of a fine-tuning at stage 0 and at stage 3: the same losses."""
+    sharded = tmp_path / "sharded-pretraining"
+    code, output = horovodrun(2, REPO / "train_hvd.py", "--data", encoder_run.parent / "data",
+                              "--out", sharded, *TINY_BERT, "--steps", "4", "--batch-size", "4",
+                              "--log-every", "2", "--eval-batches", "1", "--peak-flops", "1e10",
+                              "--zero-stage", "3")
+    assert code == 0, output
+    assert "validation loss" in output and (sharded / "zero" / "ckpt-4" / "layout.json").exists()
+    for stage in ("0", "3"):
+        code, output = horovodrun(2, REPO / "finetune_hvd.py", "--zero-stage", stage,
+                                  *_front_end_flags(sharded, sst2, tmp_path / f"stage-{stage}", 4))
+        assert code == 0, output
+    assert_same_train_losses(tmp_path / "stage-0", [tmp_path / "stage-3"], steps=6,
+                             tolerance=1e-5)
+    results = [json.loads((tmp_path / f"stage-{stage}" / "eval_results.json").read_text())
+               for stage in ("0", "3")]
+    assert results[0]["total"] == results[1]["total"] == 48
+    assert results[0]["accuracy"] == pytest.approx(results[1]["accuracy"], abs=1 / 48)
