@@ -16,6 +16,11 @@ with no communication between them, against one alone: the ceiling that
 sharing the machine (caches, memory bandwidth, clock) leaves for any
 data-parallel run, before a byte is exchanged.
 
+`--zero-stages S [S ...]` measures ZeRO's cost instead: `horovodrun -np 2
+train_hvd.py --zero-stage S` for each stage, the stages alternating within
+each round (their order reversed every other round), and prints each
+stage's median tokens/s and its ratio to stage 0's in the same rounds.
+
 `--baseline CHECKOUT` also runs the same trainers from another checkout (a
 `git worktree` of the commit before a change), alternating with this
 one's within each round, so both see the same machine.
@@ -24,6 +29,7 @@ Usage:
     python -m bench.scaling --steps 30 --rounds 1
     git worktree add --detach ../before HEAD~1
     python -m bench.scaling --kinds horovod --rounds 3 --baseline ../before
+    python -m bench.scaling --zero-stages 0 1 2 3 --rounds 3
 """
 
 import argparse
@@ -274,6 +280,40 @@ def measure(data, work, preset="gpt-mini", steps=30, batch_size=8, log_every=5, 
             "results": results}
 
 
+def measure_zero(data, work, stages, preset="gpt-mini", steps=30, batch_size=8, log_every=5,
+                 rounds=1, extra=(), workers=2, log=print):
+    """Tokens/s of `horovodrun -np workers train_hvd.py --zero-stage S` per stage.
+
+    The stages alternate within each round, reversed every other round.
+    Returns the figures: per stage its tokens/s per round, the median, and
+    the median of its per-round ratios to stage 0 (when 0 is measured).
+    """
+    rates = {stage: [] for stage in stages}
+    load_averages = []
+    for index in range(rounds):
+        for stage in stages if index % 2 == 0 else stages[::-1]:
+            start, load = time.perf_counter(), _load_average()
+            load_averages.append(load)
+            rate, windows, _ = run_job("horovod", workers, data, work, preset, steps, batch_size,
+                                       log_every, [*extra, "--zero-stage", str(stage)],
+                                       label=f"-zero{stage}")
+            rates[stage].append(rate)
+            log(f"  zero stage {stage} x{workers}: {rate:.0f} tokens/s ({windows} windows, "
+                f"{time.perf_counter() - start:.0f} s, load average {load:.2f} before)")
+    results = {}
+    for stage in stages:
+        results[stage] = {"tokens_per_second": rates[stage],
+                          "median": _median(rates[stage])}
+        if 0 in rates:
+            ratios = [rate / base for rate, base in zip(rates[stage], rates[0])]
+            results[stage]["ratio_per_round"] = ratios
+            results[stage]["ratio_to_stage_0"] = _median(ratios)
+    return {"preset": preset, "workers": workers, "batch_size_per_worker": batch_size,
+            "steps": steps, "log_every": log_every, "threads_per_worker": 1,
+            "extra_flags": list(extra), "load_average_1_min_before_runs": load_averages,
+            "results": results}
+
+
 def _warn_if_kernels_differ(baseline):
     library = os.path.join("tfgpt", "kernels", "_tfgpt_kernels.so")
     built = [os.path.exists(os.path.join(repo, library)) for repo in (REPO, baseline)]
@@ -287,6 +327,7 @@ def _warn_if_kernels_differ(baseline):
 def main(argv=None):
     from tfgpt.cli import HelpFormatter
     from tfgpt.config import GPT_PRESETS
+    from tfgpt.config.distribution import ZERO_STAGES
 
     kinds = ("horovod", "multi-worker", "independent")
     parser = argparse.ArgumentParser(
@@ -313,8 +354,29 @@ def main(argv=None):
                         "directory, e.g. a `git worktree` of the commit before a change); build "
                         "its fused kernels there too (`python -m tfgpt.kernels.build`) or both "
                         "sides do not compute alike")
+    parser.add_argument("--zero-stages", type=int, nargs="+", choices=ZERO_STAGES, metavar="S",
+                        help="measure these ZeRO stages of horovodrun -np 2 train_hvd.py "
+                        "instead (choices: "
+                        f"{', '.join(map(str, ZERO_STAGES))}; ratios to stage 0 need 0)")
     args, extra = parser.parse_known_args(argv)
+    if args.zero_stages and (args.baseline or args.kinds != parser.get_default("kinds")):
+        parser.error("--zero-stages measures horovodrun -np 2 at each stage; it takes neither "
+                     "--kinds nor --baseline")
     data = ensure_data(os.path.join(args.work, "data-256"))
+    if args.zero_stages:
+        stages = list(dict.fromkeys(args.zero_stages))
+        figures = measure_zero(data, args.work, stages, args.preset, args.steps,
+                               args.batch_size, args.log_every, args.rounds, extra)
+        for stage, result in figures["results"].items():
+            ratio = result.get("ratio_to_stage_0")
+            print(f"zero stage {stage}: {result['median']:.0f} tokens/s"
+                  + (f", {ratio:.3f}x stage 0 (rounds: " + ", ".join(
+                      f"{r:.3f}" for r in result["ratio_per_round"]) + ")"
+                     if ratio is not None else ""))
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "scaling-zero.json"), "w") as file:
+            json.dump(figures, file, indent=2)
+        return
     if args.baseline:
         _warn_if_kernels_differ(args.baseline)
     figures = measure(data, args.work, args.preset, args.steps, args.batch_size, args.log_every,
