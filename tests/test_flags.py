@@ -360,6 +360,7 @@ def test_a_zero_stage_with_one_worker_is_said_to_shard_nothing(tmp_path, size, w
     lines = _start_up_lines(config, config.steps, True, tmp_path, zero_stage=2, size=size)
     expected = [
         "warning: --zero-stage 2 with one worker shards nothing: every state stays whole on "
-        "it, as with --zero-stage 0 (its checkpoints are still in the sharded layout)"
+        "it, as with --zero-stage 0, plus a float32 copy of the weights (4 bytes per parameter "
+        "more) (its checkpoints are still in the sharded layout)"
     ]
     assert lines == (expected if warned else [])

@@ -102,7 +102,9 @@ def zero_warning(distribution):
         return None
     return (
         f"--zero-stage {stage} with one worker shards nothing: every state stays whole on "
-        "it, as with --zero-stage 0 (its checkpoints are still in the sharded layout)"
+        "it, as with --zero-stage 0" + (", plus a float32 copy of the weights (4 bytes per "
+                                        "parameter more)" if stage in (1, 2) else "")
+        + " (its checkpoints are still in the sharded layout)"
     )
 
 
