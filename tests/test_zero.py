@@ -121,6 +121,25 @@ def test_stage_3_with_recompute_and_accumulation_on_three_ranks(tmp_path):
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("recompute", [False, True])
+def test_stage_3_gathers_one_block_after_another(tmp_path, recompute):
+    # Nothing but a dependency orders a graph's ops: unless each block's
+    # all-gather waits for the block's input, every block's (and with
+    # --recompute, every recomputation's) gather may run at the start of
+    # the step, and the whole model exists at once.
+    flags = ["--stage", "3", "--gather-order"] + (["--recompute"] if recompute else [])
+    code, output = horovodrun(2, SCRIPT, tmp_path, "order", *flags)
+    assert code == 0, output
+    for rank in range(2):
+        before = json.loads((tmp_path / f"order-rank-{rank}.json").read_text())
+        # The rest of the model (embeddings, final norm) first, then the 3
+        # blocks; recomputed in the backward pass, the 3 blocks again.
+        gathers = 1 + 3 * (2 if recompute else 1)
+        # One chain: the k-th gather depends on all k - 1 before it.
+        assert sorted(before.values()) == list(range(gathers)), before
+
+
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_float16_overflow_on_one_rank_is_skipped_by_every_rank(tmp_path):
     flags = ["--precision", "float16", "--overflow-step", "2"]

@@ -7,6 +7,11 @@ of them. Writes OUT/<tag>-rank-R.npz with the final whole weights (in
 model order), the losses (averaged over the ranks), the gradient norms
 and the optimizer's iteration count.
 
+`--gather-order` (stage 3) traces one step's forward and backward pass
+instead of training and writes OUT/<tag>-rank-R.json: for each all-gather
+op in the graph, how many other all-gathers it depends on (data or control,
+transitively).
+
 `--stop-at K --checkpoint DIR` saves a checkpoint at step K in DIR and
 stops; `--checkpoint DIR` alone resumes from DIR's latest (whatever world
 size or stage wrote it) and trains to STEPS.
@@ -14,10 +19,11 @@ size or stage wrote it) and trains to STEPS.
 Usage: zero_check.py OUT TAG [--stage S] [--global] [--optimizer
 adamw|lamb] [--accumulation K] [--clip C] [--recompute] [--precision
 off|bfloat16|float16] [--overflow-step K] [--towers K] [--xla] [--checkpoint DIR
-[--stop-at K]]
+[--stop-at K]] [--gather-order]
 """
 
 import argparse
+import json
 import types
 
 import keras
@@ -65,6 +71,7 @@ def main():
     parser.add_argument("--xla", action="store_true")
     parser.add_argument("--checkpoint")
     parser.add_argument("--stop-at", type=int, default=0)
+    parser.add_argument("--gather-order", action="store_true")
     args = parser.parse_args()
 
     if args.global_batch:
@@ -111,6 +118,11 @@ def main():
                      accumulation_steps=args.accumulation, towers=args.towers, zero=zero,
                      xla=args.xla)
     batches = batches_of(distribution.rank, distribution.size, args.accumulation)
+    if args.gather_order:
+        graph = tf.function(step._forward_backward_fn).get_concrete_function(batches[0]).graph
+        with open(f"{args.out}/{args.tag}-rank-{distribution.rank}.json", "w") as file:
+            json.dump(gathers_before(graph), file)
+        return
     start, checkpointer = 0, None
     if args.checkpoint:
         from tfgpt.training import loop
@@ -140,6 +152,22 @@ def main():
         losses=np.array(losses), norms=np.array(norms), iterations=iterations, start=start,
         **{f"weight_{i}": w for i, w in enumerate(weights)},
     )
+
+
+def gathers_before(graph):
+    """{all-gather op name: how many other all-gathers it depends on}."""
+    gathers = [op for op in graph.get_operations() if "Allgather" in op.type]
+    found = {}
+    for gather in gathers:
+        seen, frontier = set(), [gather]
+        while frontier:
+            op = frontier.pop()
+            for parent in [t.op for t in op.inputs] + list(op.control_inputs):
+                if parent.name not in seen:
+                    seen.add(parent.name)
+                    frontier.append(parent)
+        found[gather.name] = sum(other.name in seen for other in gathers)
+    return found
 
 
 if __name__ == "__main__":

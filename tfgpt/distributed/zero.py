@@ -166,10 +166,12 @@ class ZeroSharding:
             self.offsets.append(offsets)
             start, count = offsets[self.rank], counts[self.rank]
             # The same name as the whole variable: the optimizer's weight
-            # decay exclusions match on it.
+            # decay exclusions match on it. A copy of the rows: TensorFlow's
+            # slice along the first axis shares the whole variable's buffer,
+            # which would then outlive the variable (stage 3 releases it).
+            rows = tf.raw_ops.DeepCopy(x=variable.value[start:start + count])
             shards.append(keras.Variable(
-                variable.value[start:start + count], trainable=True, name=variable.name,
-                dtype=variable.dtype,
+                rows, trainable=True, name=variable.name, dtype=variable.dtype,
             ))
         self.shards = shards
         self.optimizer.build(self.shards)
@@ -283,7 +285,9 @@ class ZeroSharding:
             if isinstance(layer, TransformerBlock):
                 indices = [index_of[id(v)] for v in layer.trainable_variables]
                 in_blocks.update(indices)
-                layer.weights_scope = (lambda indices=indices: self._gathered(indices))
+                layer.weights_scope = (
+                    lambda inputs, indices=indices: self._gathered(indices, after=inputs)
+                )
                 self.units.append(indices)
         self._rest = [index for index in range(len(self.variables)) if index not in in_blocks]
         self.units.append(self._rest)
@@ -314,13 +318,26 @@ class ZeroSharding:
         )
 
     @contextlib.contextmanager
-    def _gathered(self, indices):
+    def _gathered(self, indices, after=None):
+        """The whole weights of `indices` while the context runs.
+
+        With `after` (a block's inputs) the gather waits for that tensor.
+        Otherwise nothing orders it: the shards are there from the start
+        of the step, so the graph would run every block's all-gather at
+        once and hold the whole model (in the backward pass, the
+        recomputation's inputs wait for the upstream gradient, so its
+        gathers follow the backward pass too).
+        """
         if not indices:
             yield
             return
         # The tf.Variables themselves: `.value` inside a layer's call is
         # cast to the compute dtype (bfloat16), which Horovod cannot gather.
-        gathered = self._gather([self.shards[index]._value for index in indices])
+        shard_values = [self.shards[index]._value for index in indices]
+        if after is not None:
+            with tf.control_dependencies([after]):
+                shard_values = [tf.identity(value) for value in shard_values]
+        gathered = self._gather(shard_values)
         variables = [self.variables[index] for index in indices]
         for variable, value in zip(variables, gathered):
             # allgather leaves the first dimension unknown to the graph.

@@ -65,7 +65,8 @@ class TransformerBlock(ConfiguredLayer):
     recompute = False
     # Where the block's weights come from while it runs: None reads its
     # variables; sharded training (ZeRO stage 3, `tfgpt.distributed.zero`)
-    # sets a callable returning a context that gathers them for the call.
+    # sets a callable that takes the block's inputs and returns a context
+    # that gathers the weights for the call once those inputs exist.
     weights_scope = None
 
     def __init__(
@@ -166,9 +167,10 @@ class TransformerBlock(ConfiguredLayer):
         return tf.recompute_grad(block)(inputs)
 
     def _apply(self, inputs, padding_mask, cache, cache_index, training):
-        # Inside the recomputed function: a recomputation gathers again.
+        # Inside the recomputed function: a recomputation gathers again
+        # (its inputs wait for the gradient arriving from the layer above).
         if self.weights_scope is not None:
-            with self.weights_scope():
+            with self.weights_scope(inputs):
                 return self._compute(inputs, padding_mask, cache, cache_index, training)
         return self._compute(inputs, padding_mask, cache, cache_index, training)
 
