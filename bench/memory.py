@@ -28,7 +28,10 @@ be horovodrun's, not a rank's):
   TensorFlow, Horovod and Gloo started), and its resident set before the
   first step;
 - rest: peak - runtime - computed total, what the computation does not
-  account for (activations, the step's temporaries, the allocator's slack).
+  account for (activations, the step's temporaries, the allocator's slack);
+- per step (printed as each job ends, and in the JSON): the peak above the
+  resident set on entry to the step (VmHWM restarted through
+  `/proc/self/clear_refs`) and the resident set after it.
 
 Ratios are to stage 0 at the same worker count. `--budget-gb G` then finds,
 for each preset, workers and stage measured, the deepest GPT of the
@@ -62,6 +65,16 @@ def _status_kib(field):
             if line.startswith(field + ":"):
                 return int(line.split()[1])
     raise KeyError(field)
+
+
+def _reset_peak():
+    """Restarts VmHWM from the current resident set (Linux 4.0+); False where it cannot."""
+    try:
+        with open("/proc/self/clear_refs", "w") as file:
+            file.write("5")
+        return True
+    except OSError:
+        return False
 
 
 # ---- What ZeRO's state comes to, without building a model ---------------------
@@ -250,20 +263,28 @@ def zero_worker(args):
     )
     inputs, targets = tf.constant(tokens[:, :-1]), tf.constant(tokens[:, 1:])
     before = _status_kib("VmRSS")
-    seconds = []
+    high_water = _status_kib("VmHWM")
+    seconds, per_step = [], []
     for _ in range(args.steps):
+        entry = _status_kib("VmRSS")
+        reset = _reset_peak()
         start = time.perf_counter()
         loss = float(step(inputs, targets)["loss"])
         seconds.append(time.perf_counter() - start)
+        peak = _status_kib("VmHWM")
+        high_water = max(high_water, peak)
+        per_step.append({"peak_above_entry_kib": peak - entry if reset else None,
+                         "rss_after_kib": _status_kib("VmRSS")})
     figures = {
         "rank": distribution.rank,
         "size": distribution.size,
         "stage": args.zero_stage,
         "runtime_rss_kib": runtime,
         "rss_before_step_kib": before,
-        "high_water_kib": _status_kib("VmHWM"),
+        "high_water_kib": max(high_water, _status_kib("VmHWM")),
         "loss": loss,
         "step_seconds": seconds,
+        "steps": per_step,
         "parameters": parameters,
         "largest_unit": unit,
         "state_bytes": state_bytes(parameters, args.zero_stage, distribution.size, gathered=unit),
@@ -378,6 +399,16 @@ def measure_zero(preset, stage, workers, batch_size=1, recompute=False, xla=Fals
         "job_seconds": seconds,
         "ranks": ranks,
     }
+
+
+def _step_figures(row):
+    """'peak / after' in GiB for each step, the largest rank's of each."""
+    figures = []
+    for steps in zip(*(rank["steps"] for rank in row["ranks"])):
+        peaks = [step["peak_above_entry_kib"] for step in steps]
+        peak = "?" if None in peaks else f"{max(peaks) / 2**20:.2f}"
+        figures.append(f"{peak} / {max(step['rss_after_kib'] for step in steps) / 2**20:.2f}")
+    return figures
 
 
 def _print_table(header, rows):
@@ -529,6 +560,8 @@ def main(argv=None):
                       f"{row['computed']['total'] / GIB:6.2f} GiB  peak RSS "
                       f"{row['peak_rss'] / GIB:6.2f} GiB  ({row['job_seconds']:.0f} s)",
                       flush=True)
+                print("  per step, the largest rank's peak above its resident set on entry / "
+                      "resident set after: " + ", ".join(_step_figures(row)), flush=True)
                 rows.append(row)
     print()
     zero_table(rows)

@@ -1,12 +1,16 @@
 """bench.memory's ZeRO arithmetic: a GPT's parameter count and largest gathered
-unit without building it, and the deepest GPT that fits a memory budget (the
-horovodrun measurements themselves are not run here)."""
+unit without building it, the deepest GPT that fits a memory budget, and one
+real horovodrun job of gpt-mini at stages 0 and 3."""
 
 import dataclasses
+import json
+import subprocess
+import sys
 
 import pytest
 
 from bench.memory import budget_depth, gpt_parameters
+from tests.launch import REPO
 from tests.test_gpt import GPT2_PARAMETERS
 from tfgpt.config import GPT_PRESETS, GPTConfig
 from tfgpt.distributed.zero import state_bytes
@@ -103,3 +107,33 @@ def test_budget_depth_is_zero_when_not_one_block_fits():
 def test_budget_depth_rejects(arguments, message):
     with pytest.raises(ValueError, match=message):
         budget_depth(GPT_PRESETS["gpt-mini"], *arguments)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_two_rank_job_reports_each_stage_state_and_its_steps(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.memory", "--presets", "gpt-mini", "--zero-stage", "0", "3",
+         "--workers", "2", "--steps", "2", "--sequence-length", "16", "--out", str(tmp_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = {row["stage"]: row for row in
+            json.loads((tmp_path / "memory-zero.json").read_text())["rows"]}
+    parameters, unit = gpt_parameters(GPT_PRESETS["gpt-mini"])
+    for stage, row in rows.items():
+        # The ranks' model is the preset's, and the state is the arithmetic's.
+        assert row["parameters"] == parameters
+        assert row["computed"] == state_bytes(parameters, stage, 2,
+                                              gathered=unit if stage == 3 else 0)
+        assert len(row["ranks"]) == 2
+        for rank in row["ranks"]:
+            assert len(rank["steps"]) == 2
+            for step in rank["steps"]:
+                assert step["peak_above_entry_kib"] >= 0
+                # The job's peak covers every step's.
+                assert rank["high_water_kib"] >= step["rss_after_kib"]
+            assert rank["high_water_kib"] >= rank["rss_before_step_kib"] >= rank["runtime_rss_kib"]
+    assert rows[3]["largest_unit"] == unit
+    assert "| gpt-mini |       2 |     3 |" in result.stdout
+    assert result.stdout.count("per step, the largest rank's peak above") == 2
