@@ -54,6 +54,8 @@ import sys
 import tempfile
 import time
 
+from bench import print_table
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")
 GIB = 2**30
@@ -411,17 +413,6 @@ def _step_figures(row):
     return figures
 
 
-def _print_table(header, rows):
-    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows)]
-    line = lambda cells: "| " + " | ".join(  # noqa: E731
-        str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(cells, widths))
-    ) + " |"
-    print(line(header))
-    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    for row in rows:
-        print(line(row))
-
-
 def zero_table(rows):
     """The ZeRO table: per rank, computed and measured, each against stage 0 (GiB)."""
     baseline = {(row["preset"], row["workers"]): row for row in rows if row["stage"] == 0}
@@ -431,7 +422,7 @@ def zero_table(rows):
         return f"{value(row) / value(base):.2f}x" if base else "-"
 
     gib = lambda count: f"{count / GIB:.2f}"  # noqa: E731
-    _print_table(
+    print_table(
         ["preset", "workers", "stage", "computed state", "vs 0", "computed total", "vs 0",
          "peak RSS", "vs 0", "runtime", "before step", "rest"],
         [[row["preset"], row["workers"], row["stage"],
@@ -471,7 +462,7 @@ def budget_rows(rows, budget_gib):
 
 
 def budget_table(rows):
-    _print_table(
+    print_table(
         ["preset", "workers", "stage", "overhead GiB", "num_layers", "parameters", "total GiB"],
         [[row["preset"], row["workers"], row["stage"], f"{row['overhead'] / GIB:.2f}",
           row["num_layers"], f"{row['parameters'] / 1e6:,.0f}M", f"{row['total'] / GIB:.2f}"]

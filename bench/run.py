@@ -39,6 +39,8 @@ import subprocess
 import sys
 import time
 
+from bench import print_table
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(REPO, "bench", "results")
 SECTIONS = ("training", "scaling", "memory", "generation", "pipeline")
@@ -53,17 +55,6 @@ FULL_TRAINING = QUICK_TRAINING + ["torch fp32 compile", "torch bf16 compile"]
 
 def _load():
     return os.getloadavg()[0]
-
-
-def _print_table(header, rows):
-    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows)]
-    line = lambda cells: "| " + " | ".join(  # noqa: E731
-        str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(cells, widths))
-    ) + " |"
-    print(line(header))
-    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    for row in rows:
-        print(line(row))
 
 
 # ---- Sections -----------------------------------------------------------------
@@ -105,7 +96,7 @@ def training_section(args, work):
                 f"{throughput.mfu(measurement, name, 'peak fp32'):.0%}",
                 f"{throughput.ratio(measurement, name, reference):.2f}" if name != reference else "1",
             ])
-        _print_table(["configuration", "tokens/s", "seq/s", "tokens/CPU-s", "MFU", "MFU vs fp32 peak",
+        print_table(["configuration", "tokens/s", "seq/s", "tokens/CPU-s", "MFU", "MFU vs fp32 peak",
                       "x torch eager"], rows)
         peaks = {name: results[name]["median"] / 1e9 for name in ("peak fp32", "peak bf16")}
         print(f"matmul peak (2048^2 chain, TF): fp32 {peaks['peak fp32']:.0f} GFLOP/s, "
@@ -134,7 +125,7 @@ def scaling_section(args, work):
              " / ".join(f"{t:,.0f}" for t in r["tokens_per_second_2"]),
              " / ".join(f"{e:.0%}" for e in r["efficiency_per_round"])]
             for kind, r in figures["results"].items()]
-    _print_table(["trainer", "T(1) tokens/s", "T(2) tokens/s", "T(2)/(2 T(1)) per round"], rows)
+    print_table(["trainer", "T(1) tokens/s", "T(2) tokens/s", "T(2)/(2 T(1)) per round"], rows)
     return figures
 
 
@@ -151,7 +142,7 @@ def memory_section(args, work):
             rows.append([preset, f"{row['sequence_length']}", "on" if recompute else "off",
                          f"{row['peak_rss_mib']:,.0f}", f"{row['step_peak_mib']:,.0f}"])
             print(f"  {preset} recompute={recompute}: {row['peak_rss_mib']:,.0f} MiB", flush=True)
-    _print_table(["model", "context", "recompute", "peak RSS MiB", "step adds MiB"], rows)
+    print_table(["model", "context", "recompute", "peak RSS MiB", "step adds MiB"], rows)
     return figures
 
 

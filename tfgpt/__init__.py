@@ -5,37 +5,23 @@ They are loaded on first use, so that `import tfgpt.config` and every
 command's `--help` run without importing TensorFlow.
 """
 
-import importlib
-
 from tfgpt import quiet
+from tfgpt.lazy import lazy_exports
 
 quiet.quiet_tensorflow()
 
 __version__ = "0.1.0"
 
-_EXPORTS = {
-    "GPT": "tfgpt.models.gpt",
-    "GPTConfig": "tfgpt.config",
-    "GPT_PRESETS": "tfgpt.config",
-    "Albert": "tfgpt.models.albert",
-    "AlbertBackbone": "tfgpt.models.albert",
-    "AlbertConfig": "tfgpt.config",
-    "ALBERT_PRESETS": "tfgpt.config",
-    "Bert": "tfgpt.models.bert",
-    "BertBackbone": "tfgpt.models.bert",
-    "BertConfig": "tfgpt.config",
-    "BERT_PRESETS": "tfgpt.config",
-    "SequenceClassifier": "tfgpt.models.sequence_classifier",
-    "SpanQuestionAnswerer": "tfgpt.models.span_question_answerer",
+_MODULES = {
+    "tfgpt.models.gpt": ("GPT",),
+    "tfgpt.config": ("GPTConfig", "GPT_PRESETS", "BertConfig", "BERT_PRESETS", "AlbertConfig",
+                     "ALBERT_PRESETS"),
+    "tfgpt.models.albert": ("Albert", "AlbertBackbone"),
+    "tfgpt.models.bert": ("Bert", "BertBackbone"),
+    "tfgpt.models.sequence_classifier": ("SequenceClassifier",),
+    "tfgpt.models.span_question_answerer": ("SpanQuestionAnswerer",),
 }
+_EXPORTS = {name: module for module, names in _MODULES.items() for name in names}
 __all__ = list(_EXPORTS)
 
-
-def __getattr__(name):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'tfgpt' has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(list(globals()) + __all__)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

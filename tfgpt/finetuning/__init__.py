@@ -14,7 +14,7 @@ The names below load their module on first use, so that the front ends'
 `--help` (which imports `flags`) does not import TensorFlow.
 """
 
-import importlib
+from tfgpt.lazy import lazy_exports
 
 _EXPORTS = {
     "FinetuneConfig": "tfgpt.config.finetuning",
@@ -27,12 +27,4 @@ _EXPORTS = {
 }
 __all__ = list(_EXPORTS)
 
-
-def __getattr__(name):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'tfgpt.finetuning' has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(list(globals()) + __all__)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
