@@ -59,7 +59,14 @@ def test_the_filter_drops_only_the_known_lines():
                "cuInit: INTERNAL: CUDA error: Failed call to cuInit: UNKNOWN ERROR (303)")
     other_error = ("E0000 00:00:1795599621.396325   23289 op_kernel.cc:1840] OP_REQUIRES "
                    "failed at matmul_op.cc:12 : INVALID_ARGUMENT")
+    onednn = ("I0000 00:00:1795613233.107319   30762 port.cc:153] oneDNN custom operations are "
+              "on. You may see slightly different numerical results due to floating-point "
+              "round-off errors from different computation orders. To turn them off, set the "
+              "environment variable `TF_ENABLE_ONEDNN_OPTS=0`.")
     assert quiet.is_noise(absl + "\n", gpu=False) and quiet.is_noise(absl, gpu=True)
+    assert quiet.is_noise(onednn, gpu=False) and quiet.is_noise(onednn, gpu=True)
+    # Another line of the same file is not.
+    assert not quiet.is_noise(onednn.replace("oneDNN custom operations are on", "Other"), gpu=False)
     assert quiet.is_noise(cuda, gpu=False) and quiet.is_noise(cu_init, gpu=False)
     # A machine with a GPU device node sees every CUDA line.
     assert not quiet.is_noise(cuda, gpu=True) and not quiet.is_noise(cu_init, gpu=True)

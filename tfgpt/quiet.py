@@ -30,9 +30,12 @@ import re
 import sys
 import threading
 
-# Lines logged before absl is initialised (any machine).
+# Lines logged before absl is initialised (any machine): absl's own notice,
+# and oneDNN's, which TF_CPP_MIN_LOG_LEVEL silences later on but not this
+# early (seen on an AVX-512 AMD EPYC, twice, once per library TensorFlow loads).
 _PRE_ABSL_NOISE = re.compile(
     r"WARNING: All log messages before absl::InitializeLog\(\) is called are written to STDERR$"
+    r"|I\d{4} [\d:.]+ +\d+ port\.cc:\d+\] oneDNN custom operations are on\. "
 )
 # CUDA looking for a GPU on a machine without one (absl's "I0000 ... file.cc:N] " prefix).
 _NO_GPU_NOISE = re.compile(

@@ -23,11 +23,12 @@ import tensorflow as tf
 
 from tfgpt import kernels
 from tfgpt.models.gpt import GPT
-from tfgpt.training import flops
+from tfgpt.training import flops, monitor
 from tfgpt.training.checkpointing import Checkpointer
 from tfgpt.training.optimizers import make_optimizer
 from tfgpt.training.precision import slow_precision_warning
 from tfgpt.training.profiling import StepProfiler
+from tfgpt.training.train_step import STEP_TIMES
 
 POLICIES = {"off": "float32", "float16": "mixed_float16", "bfloat16": "mixed_bfloat16"}
 # Test-only fault injection: SIGKILL this process right after the checkpoint
@@ -300,12 +301,18 @@ def run_loop(config, distribution, report, *, model, optimizer, step, train_step
     tokens_per_step = global_batch * sequence_length
     metrics, mean_loss = {}, float("nan")
     window_start, window_steps, window_sums = time.perf_counter(), 0, {}
+    clock, host = monitor.WindowClock(), monitor.HostSampler()
     profiler = StepProfiler(
         config.profile_range(), os.path.join(config.out, "profile"), distribution.is_chief
     )
     for current in range(start, steps):
         profiler.before(current + 1)
-        step_metrics = train_step(next(batches))
+        waited = time.perf_counter()
+        batch = next(batches)
+        clock.add("data", time.perf_counter() - waited)
+        step_metrics = dict(train_step(batch))
+        step_times = step_metrics.pop(STEP_TIMES, None)
+        clock.add_step_times(None if step_times is None else step_times.numpy())
         step.assign(current + 1)
         if profiler.after(current + 1, step_metrics, current + 1 == steps):
             report.info(f"profiler trace of steps {config.profile_steps} in {profiler.directory}")
@@ -351,8 +358,11 @@ def run_loop(config, distribution, report, *, model, optimizer, step, train_step
                 metrics["mfu"] = (
                     flops_per_token * tokens_per_second / distribution.num_workers / peak
                 )
-            report.scalars(current + 1, metrics)
+            shares, rows = monitor.window_figures(distribution, clock, host)
+            metrics.update(shares)
+            report.scalars(current + 1, metrics, details={"workers": rows})
             window_start, window_steps, window_sums = time.perf_counter(), 0, {}
+            clock.reset()
         if config.save_every and (current + 1) % config.save_every == 0 and not last:
             save(current + 1, float(step_metrics["loss"]))
     if int(step.numpy()) > start or not checkpointer.latest:

@@ -34,19 +34,31 @@ class Reporter:
         if self.is_chief:
             print(message, file=self.stream or sys.stdout, flush=True)
 
-    def scalars(self, step, metrics, prefix="train"):
-        """Logs `metrics` (name -> float) at `step`: one console line, one JSON line."""
+    def scalars(self, step, metrics, prefix="train", details=None):
+        """Logs `metrics` (name -> float) at `step`: one console line, one JSON line.
+
+        `details` (JSON-serialisable, e.g. every worker's figures) goes into
+        the JSON line only. The `time_<part>` shares
+        (`tfgpt.training.monitor`) are one console field, in percent:
+        `time data/compute/communication/other 1/80/6/13%`.
+        """
         if not self.is_chief:
             return
         record = {"step": int(step), "split": prefix, "time": time.time()}
         record.update({name: float(value) for name, value in metrics.items()})
+        record.update(details or {})
         self._jsonl.write(json.dumps(record) + "\n")
         with self._writer.as_default(step=int(step)):
             for name, value in metrics.items():
                 tf.summary.scalar(f"{prefix}/{name}", float(value))
         self._writer.flush()
         parts = [f"{prefix} step {int(step):>6d}"]
-        parts += [f"{name} {_format(value)}" for name, value in metrics.items()]
+        parts += [f"{name} {_format(value)}" for name, value in metrics.items()
+                  if not name.startswith("time_")]
+        shares = {name[5:]: value for name, value in metrics.items() if name.startswith("time_")}
+        if shares:
+            parts.append(f"time {'/'.join(shares)} "
+                         + "/".join(f"{100 * value:.0f}" for value in shares.values()) + "%")
         self.info(" | ".join(parts))
 
     def close(self):

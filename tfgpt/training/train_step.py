@@ -1,6 +1,8 @@
 """The compiled training and evaluation steps shared by every front end."""
 
 import contextlib
+import os
+import time
 
 import keras
 import tensorflow as tf
@@ -52,6 +54,30 @@ def _compiled_parts(distribution, xla, zero):
     if type(distribution) is LocalDistribution:
         return ("step",)
     return ("compute", "update")
+
+
+# The step's result holds, besides its metrics, this float64 pair of seconds
+# (see TrainStep): the forward and backward pass, then the wait for the
+# averaged gradients after it.
+STEP_TIMES = "step_times"
+
+
+# Fault injection (tests of the time split): "RANK:SECONDS" makes that
+# rank's forward pass start SECONDS late, inside the measured compute.
+_SLOW_COMPUTE = "TFGPT_FAULT_SLOW_COMPUTE"
+
+
+def _injected_delay(distribution):
+    spec = os.environ.get(_SLOW_COMPUTE, "")
+    if not spec:
+        return 0.0
+    rank, seconds = spec.split(":")
+    return float(seconds) if int(rank) == getattr(distribution, "rank", 0) else 0.0
+
+
+def _timestamp_after(tensors):
+    with tf.control_dependencies([t for t in tensors if t is not None]):
+        return tf.timestamp()
 
 
 def _loss_scale(optimizer):
@@ -117,7 +143,13 @@ class TrainStep:
 
     Calling it with a batch returns a dict of scalars: `loss` (this
     worker's mean), `gradient_norm` (global norm of the averaged, unscaled
-    gradients before clipping), and whatever `loss_fn` reports.
+    gradients before clipping), and whatever `loss_fn` reports; and, unless
+    XLA compiles the whole step, `STEP_TIMES`: float64 seconds of the
+    forward and backward pass (from the step's start to its last local
+    gradient) and of the wait for the averaged gradients after it (the
+    communication the backward pass did not hide; under ZeRO stages 2 and
+    3 the reduce-scatters run inside the backward pass and count there).
+    Both come from `tf.timestamp` ops ordered by data dependencies.
     """
 
     def __init__(
@@ -227,15 +259,33 @@ class TrainStep:
         return gradient_norm
 
     def _replica_step(self, batch):
+        timed = self.compiled != ("step",)  # XLA has no timestamp op
+        start = None
+        if timed:
+            # The batch waits for the first timestamp: nothing else orders a
+            # source op before the forward pass.
+            start = tf.timestamp()
+            after = [start]
+            delay = _injected_delay(self.distribution)
+            if delay:
+                with tf.control_dependencies([start]):
+                    after.append(tf.py_function(lambda: time.sleep(delay) or 0.0, [], tf.float32))
+            with tf.control_dependencies(after):
+                batch = tf.nest.map_structure(tf.identity, batch)
         loss, metrics, gradients = self._accumulate(batch)
+        computed = _timestamp_after(gradients) if timed else None
         if self.zero:
-            gradient_norm = self.zero.apply(
-                self.zero.reduce_accumulated(gradients), _loss_scale(self.optimizer)
-            )
-            return {"loss": loss, "gradient_norm": gradient_norm, **metrics}
-        gradients = self.distribution.allreduce_gradients(gradients)
-        gradient_norm = self._update(gradients)
-        return {"loss": loss, "gradient_norm": gradient_norm, **metrics}
+            gradients = self.zero.reduce_accumulated(gradients)
+            reduced = _timestamp_after(gradients) if timed else None
+            gradient_norm = self.zero.apply(gradients, _loss_scale(self.optimizer))
+        else:
+            gradients = self.distribution.allreduce_gradients(gradients)
+            reduced = _timestamp_after(gradients) if timed else None
+            gradient_norm = self._update(gradients)
+        result = {"loss": loss, "gradient_norm": gradient_norm, **metrics}
+        if timed:
+            result[STEP_TIMES] = tf.stack([computed - start, reduced - computed])
+        return result
 
     def __call__(self, *batch):
         # step(batch) or step(inputs, targets).
