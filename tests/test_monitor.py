@@ -68,6 +68,70 @@ def test_reporter_puts_details_in_json_only_and_the_shares_in_one_console_field(
     assert record["time_compute"] == 0.7
 
 
+def _row(rank, data=0.01, compute=0.9, communication=0.05, cpu_percent=95.0, rss_mib=1000.0):
+    return {"rank": rank, "data": data, "compute": compute, "communication": communication,
+            "other": 1 - data - compute - communication, "cpu_percent": cpu_percent,
+            "rss_mib": rss_mib, "iowait_percent": 0.0}
+
+
+def _windows(rules, windows, loss=lambda index: 5.0 - 0.1 * index, norm=lambda index: 1.0):
+    """Feeds `windows` (a list of row lists) to `rules`; returns [(window, rule, message)]."""
+    fired = []
+    for index, rows in enumerate(windows):
+        for rule, message in rules.check(10 * (index + 1), {"loss": loss(index),
+                                                            "gradient_norm": norm(index)}, rows):
+            fired.append((index, rule, message))
+    return fired
+
+
+def test_a_healthy_run_fires_no_rule():
+    rules = monitor.Rules(["a", "b"])
+    healthy = [[_row(0, rss_mib=1000 + (index % 2)), _row(1, compute=0.88)] for index in range(30)]
+    assert _windows(rules, healthy) == []
+
+
+@pytest.mark.parametrize("fault, rule, window, named", [
+    # Rank 1 waits for data 30% of the window from the third window on.
+    (lambda index, rank: {"data": 0.3, "compute": 0.6} if rank == 1 and index >= 2 else {},
+     "input-bound", 2, "rank 1 on b"),
+    # Rank 1 computes 1.5 times as long as rank 0, which waits; the third window names it.
+    (lambda index, rank: {"compute": 0.95, "communication": 0.0} if rank == 1 else
+     {"compute": 0.5, "communication": 0.45}, "straggler", 2, "rank 1 on b"),
+    # Both ranks wait for the average 40% of the time.
+    (lambda index, rank: {"compute": 0.5, "communication": 0.4} if index >= 4 else {},
+     "communication-bound", 4, None),
+    # Rank 0 idles from the sixth window.
+    (lambda index, rank: {"cpu_percent": 20.0} if rank == 0 and index >= 5 else {},
+     "low-utilisation", 5, "rank 0 on a"),
+    # Rank 1's resident set grows by 10 MiB every window: the fifth growth names it.
+    (lambda index, rank: {"rss_mib": 1000.0 + 10 * index} if rank == 1 else {},
+     "memory-growth", 5, "rank 1 on b"),
+])
+def test_each_fault_fires_its_rule_once_at_the_right_window_and_worker(fault, rule, window, named):
+    rules = monitor.Rules(["a", "b"])
+    windows = [[_row(rank, **fault(index, rank)) for rank in (0, 1)] for index in range(12)]
+    fired = _windows(rules, windows)
+    assert [(index, name) for index, name, _ in fired if name == rule] == [(window, rule)]
+    message = next(message for _, name, message in fired if name == rule)
+    assert message.startswith(f"{rule} at step {10 * (window + 1)}: ")
+    if named:
+        assert named in message
+    # The straggler's peers wait, but not all workers do: no communication rule.
+    assert "communication-bound" not in {name for _, name, _ in fired} or rule == \
+        "communication-bound"
+
+
+def test_a_loss_that_stops_falling_and_a_gradient_spike():
+    rules = monitor.Rules(["a"])
+    rows = [[_row(0)] for _ in range(30)]
+    # Falls for 8 windows, then flat: the 10th flat window has no new minimum.
+    fired = _windows(rules, rows, loss=lambda index: 5.0 - 0.1 * min(index, 7),
+                     norm=lambda index: 40.0 if index == 20 else 1.0 + 0.01 * index)
+    assert [(index, name) for index, name, _ in fired] == [
+        (17, "loss-not-falling"), (20, "gradient-spike")]
+    assert "gradient norm 40 is" in fired[1][2]
+
+
 def _last_window(run_dir):
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [record for record in records if record["split"] == "train"][-1]
@@ -87,10 +151,12 @@ def _train_in_process(data, out, monkeypatch, reader_sleep):
                 yield batch
 
         monkeypatch.setattr(trainer, "batches_naming_bad_shards", slow)
+    # A model whose step (tens of milliseconds) outweighs reading a batch.
     config, overrides = parse_flags(
         ["--data", str(data), "--out", str(out), "--steps", "12", "--log-every", "6",
-         "--batch-size", "4", "--eval-batches", "1", "--peak-flops", "1e10", "--towers", "1",
-         *TINY_MODEL]
+         "--batch-size", "16", "--eval-batches", "1", "--peak-flops", "1e10", "--towers", "1",
+         "--num-layers", "2", "--num-heads", "4", "--hidden-dim", "256",
+         "--intermediate-dim", "1024", "--max-sequence-length", "16"]
     )
     trainer.train(config, overrides, LocalDistribution())
     return _last_window(out)
@@ -98,22 +164,31 @@ def _train_in_process(data, out, monkeypatch, reader_sleep):
 
 def test_a_slow_reader_shows_as_data_time(tiny_data, tmp_path, monkeypatch):
     healthy = _train_in_process(tiny_data, tmp_path / "healthy", monkeypatch, 0)
-    slow = _train_in_process(tiny_data, tmp_path / "slow", monkeypatch, 0.1)
+    slow = _train_in_process(tiny_data, tmp_path / "slow", monkeypatch, 0.25)
     for window in (healthy, slow):
         shares = [window[f"time_{part}"] for part in monitor.SHARES]
         assert all(share >= 0 for share in shares) and sum(shares) == pytest.approx(1.0)
         assert window["workers"][0]["rank"] == 0 and window["workers"][0]["cpu_percent"] >= 0
     assert healthy["time_compute"] > 0.1  # the step's own timestamps
-    # 0.1 s per batch against a step of a few milliseconds.
+    # 0.25 s per batch against a step of tens of milliseconds.
     assert slow["time_data"] > 0.7
     assert slow["time_data"] > healthy["time_data"] + 0.4
+    fired = {}
+    for run in ("healthy", "slow"):
+        records = [json.loads(line)
+                   for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        fired[run] = {rule: record["step"] for record in records
+                      for rule in record.get("rules", [])}
+    # Windows at steps 1 (start-up, not judged), 6 and 12: the second names it.
+    assert fired["slow"]["input-bound"] == 6
+    assert "input-bound" not in fired["healthy"], fired
 
 
 @pytest.mark.distributed
 def test_a_slow_rank_computes_longer_and_the_other_waits_for_the_average(tiny_data, tmp_path):
     run_dir = tmp_path / "run"
-    flags = ["--data", tiny_data, "--out", run_dir, "--steps", "8", "--batch-size", "4",
-             "--log-every", "4", "--eval-batches", "1", "--peak-flops", "1e10", *TINY_MODEL]
+    flags = ["--data", tiny_data, "--out", run_dir, "--steps", "10", "--batch-size", "4",
+             "--log-every", "2", "--eval-batches", "1", "--peak-flops", "1e10", *TINY_MODEL]
     code, output = horovodrun(2, REPO / "train_hvd.py", *flags,
                               env={"TFGPT_FAULT_SLOW_COMPUTE": "1:0.2"})
     assert code == 0, output
@@ -125,3 +200,10 @@ def test_a_slow_rank_computes_longer_and_the_other_waits_for_the_average(tiny_da
     assert slow["compute"] > 0.6 and fast["compute"] < 0.3
     assert fast["communication"] > 0.6 and slow["communication"] < 0.3
     assert "time data/compute/communication/other" in output
+    # Windows at steps 2, 4, 6 (the first, step 1, is start-up): the third names rank 1.
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    fired = {rule: record["step"] for record in records for rule in record.get("rules", [])}
+    assert fired["straggler"] == 6, fired
+    assert "communication-bound" not in fired
+    (line,) = [line for line in output.splitlines() if "warning: straggler" in line]
+    assert "rank 1 on " in line

@@ -24,6 +24,7 @@ MIXED_PRECISION = ("off", "float16", "bfloat16")
 SCHEDULES = ("cosine", "linear", "constant")
 OPTIMIZERS = ("adamw", "lamb")
 TASKS = ("auto", "clm", "mlm", "mlm+nsp", "mlm+sop")
+MONITOR_RULES = ("on", "off")
 
 
 def require_non_negative_int(name, value):
@@ -97,6 +98,12 @@ class RunConfig:
             of steps START to END (1-based and inclusive, as logged) in
             OUT/profile, on the chief only (`python -m bench.profile_summary
             OUT/profile` prints where the time went). Empty: no trace.
+        monitor_rules: str. `on`: name known problems from each logging
+            window's time split and host figures, one warning line the
+            first time each fires (input-bound, straggler,
+            communication-bound, low-utilisation, memory-growth,
+            loss-not-falling, gradient-spike; `tfgpt.training.monitor`).
+            `off`: log the figures only.
     """
 
     # Validation tables (not fields): each subclass extends them.
@@ -104,6 +111,7 @@ class RunConfig:
         "schedule": SCHEDULES,
         "optimizer": OPTIMIZERS,
         "mixed_precision": MIXED_PRECISION,
+        "monitor_rules": MONITOR_RULES,
     }
     POSITIVE_INTS: typing.ClassVar[tuple] = (
         "batch_size", "log_every", "keep_checkpoints", "accumulation_steps",
@@ -140,6 +148,7 @@ class RunConfig:
     towers: int = 0
     peak_flops: float = 0.0
     profile_steps: str = ""
+    monitor_rules: str = "on"
 
     def __post_init__(self):
         self.profile_range()  # validates profile_steps

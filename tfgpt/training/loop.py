@@ -302,6 +302,9 @@ def run_loop(config, distribution, report, *, model, optimizer, step, train_step
     metrics, mean_loss = {}, float("nan")
     window_start, window_steps, window_sums = time.perf_counter(), 0, {}
     clock, host = monitor.WindowClock(), monitor.HostSampler()
+    rules = None
+    if config.monitor_rules == "on":
+        rules = monitor.Rules(monitor.hostnames(distribution))
     profiler = StepProfiler(
         config.profile_range(), os.path.join(config.out, "profile"), distribution.is_chief
     )
@@ -360,7 +363,14 @@ def run_loop(config, distribution, report, *, model, optimizer, step, train_step
                 )
             shares, rows = monitor.window_figures(distribution, clock, host)
             metrics.update(shares)
-            report.scalars(current + 1, metrics, details={"workers": rows})
+            details, fired = {"workers": rows}, []
+            # The window of a run's first step holds tracing and start-up.
+            if rules is not None and current + 1 - window_steps > start:
+                fired = rules.check(current + 1, metrics, rows)
+                details["rules"] = [rule for rule, _ in fired]
+            report.scalars(current + 1, metrics, details=details)
+            for _, message in fired:
+                report.info(f"warning: {message}")
             window_start, window_steps, window_sums = time.perf_counter(), 0, {}
             clock.reset()
         if config.save_every and (current + 1) % config.save_every == 0 and not last:

@@ -117,3 +117,182 @@ def window_figures(distribution, clock, host):
             for rank, row in enumerate(matrix)]
     means = {f"time_{part}": float(matrix[:, index].mean()) for index, part in enumerate(SHARES)}
     return means, rows
+
+
+# ---- Rules: one warning line the first time each fires --------------------------
+
+HOSTNAME_BYTES = 64
+
+
+def hostnames(distribution):
+    """Every worker's host name, by rank (one collective; names cut to 64 bytes)."""
+    import socket
+
+    name = socket.gethostname().encode()[:HOSTNAME_BYTES]
+    row = np.zeros(HOSTNAME_BYTES)
+    row[:len(name)] = np.frombuffer(name, np.uint8)
+    return [bytes(np.rint(r).astype(np.uint8)).rstrip(b"\0").decode(errors="replace")
+            for r in gather_rows(distribution, row)]
+
+
+class Rules:
+    """Known problems, named from the windows' figures (chief side).
+
+    `check(step, metrics, rows)` takes each logged window (its mean
+    metrics and every worker's row, as `window_figures` gives them) and
+    returns `(rule, message)` pairs for the rules that fire for the first
+    time; a rule fires once per run. The rules and their thresholds:
+
+    - `input-bound`: a worker waits for data more than 20% of the window.
+    - `straggler`: one worker's compute share is above 1.2 times the
+      median over the workers for 3 windows in a row.
+    - `communication-bound`: every worker waits for the averaged
+      gradients more than 25% of the window (if only some wait, the
+      others are stragglers).
+    - `low-utilisation`: a worker's process was busy less than half the
+      window (CPU time under 50% of one core): it mostly waited.
+    - `memory-growth`: a worker's resident set grew in each of 5 windows
+      in a row, by more than 1 MiB each time.
+    - `loss-not-falling`: no new lowest loss in 10 windows.
+    - `gradient-spike`: the gradient norm is above 5 times the median of
+      the windows before (at least 5 of them).
+
+    Args:
+        hosts: list of str. Host name by rank (`hostnames`).
+    """
+
+    INPUT_SHARE = 0.20
+    STRAGGLER_RATIO, STRAGGLER_WINDOWS = 1.2, 3
+    COMMUNICATION_SHARE = 0.25
+    BUSY_PERCENT = 50.0
+    GROWTH_WINDOWS, GROWTH_MIB = 5, 1.0
+    LOSS_WINDOWS = 10
+    SPIKE_RATIO, SPIKE_HISTORY = 5.0, 5
+
+    def __init__(self, hosts):
+        self.hosts = list(hosts)
+        self.fired = []
+        self._slow_streak = {}  # rank -> windows in a row above the median
+        self._growth_streak = {}
+        self._last_rss = {}
+        self._losses, self._norms = [], []
+
+    def _where(self, rank):
+        host = self.hosts[rank] if rank < len(self.hosts) else "?"
+        return f"rank {rank} on {host}"
+
+    def check(self, step, metrics, rows):
+        found = []
+        found += self._input(rows)
+        found += self._straggler(rows)
+        found += self._communication(rows)
+        found += self._utilisation(rows)
+        found += self._memory(rows)
+        found += self._loss(metrics)
+        found += self._gradient(metrics)
+        new = []
+        for rule, message in found:
+            if rule not in {fired for fired, _, _ in self.fired}:
+                self.fired.append((rule, int(step), message))
+                new.append((rule, f"{rule} at step {int(step)}: {message}"))
+        return new
+
+    def _input(self, rows):
+        worst = max(rows, key=lambda row: row["data"])
+        if worst["data"] <= self.INPUT_SHARE:
+            return []
+        return [("input-bound", (
+            f"{self._where(worst['rank'])} waited for its next batch {worst['data']:.0%} of "
+            f"the time (over {self.INPUT_SHARE:.0%}). The input pipeline is slower than the "
+            "step: read from a local disk, write uncompressed shards, or leave the reader "
+            "a core (fewer --intra-op-threads)"
+        ))]
+
+    def _straggler(self, rows):
+        if len(rows) < 2:
+            return []
+        median = float(np.median([row["compute"] for row in rows]))
+        found = []
+        for row in rows:
+            slow = median > 0 and row["compute"] > self.STRAGGLER_RATIO * median
+            streak = self._slow_streak.get(row["rank"], 0) + 1 if slow else 0
+            self._slow_streak[row["rank"]] = streak
+            if streak >= self.STRAGGLER_WINDOWS:
+                found.append(("straggler", (
+                    f"{self._where(row['rank'])} computed {row['compute'] / median:.1f} times "
+                    f"the median worker's share for {streak} windows; the others wait for it. "
+                    "Look for another process on its cores, a slower or throttled CPU, or a "
+                    "busy disk there"
+                )))
+        return found[:1]
+
+    def _communication(self, rows):
+        least = min(rows, key=lambda row: row["communication"])
+        if len(rows) < 2 or least["communication"] <= self.COMMUNICATION_SHARE:
+            return []
+        return [("communication-bound", (
+            f"every worker waited for the averaged gradients more than "
+            f"{least['communication']:.0%} of the time (over {self.COMMUNICATION_SHARE:.0%}). "
+            "Raise the work per step (--batch-size, --accumulation-steps), use --fp16-allreduce, "
+            "or a faster network"
+        ))]
+
+    def _utilisation(self, rows):
+        low = min(rows, key=lambda row: row["cpu_percent"])
+        if low["cpu_percent"] >= self.BUSY_PERCENT:
+            return []
+        return [("low-utilisation", (
+            f"{self._where(low['rank'])} kept the CPU busy {low['cpu_percent']:.0f}% of one "
+            f"core (under {self.BUSY_PERCENT:.0f}%): it mostly waited. The time split says "
+            "for what: data, the other workers, or a device"
+        ))]
+
+    def _memory(self, rows):
+        found = []
+        for row in rows:
+            rank, rss = row["rank"], row["rss_mib"]
+            previous = self._last_rss.get(rank)
+            self._last_rss[rank] = rss
+            grew = previous is not None and rss - previous > self.GROWTH_MIB
+            streak = self._growth_streak.get(rank, 0) + 1 if grew else 0
+            self._growth_streak[rank] = streak
+            if streak >= self.GROWTH_WINDOWS:
+                found.append(("memory-growth", (
+                    f"{self._where(rank)}'s resident set grew in each of the last {streak} "
+                    f"windows, to {rss:.0f} MiB. Something keeps a reference every step (a "
+                    "list of tensors, a callback's history) or the input's buffers grow"
+                )))
+        return found[:1]
+
+    def _loss(self, metrics):
+        loss = metrics.get("loss")
+        if loss is None:
+            return []
+        self._losses.append(float(loss))
+        if len(self._losses) <= self.LOSS_WINDOWS:
+            return []
+        before = min(self._losses[:-self.LOSS_WINDOWS])
+        if min(self._losses[-self.LOSS_WINDOWS:]) < before:
+            return []
+        return [("loss-not-falling", (
+            f"no window of the last {self.LOSS_WINDOWS} went below the loss of {before:.4f} "
+            "reached before them. Lower the learning rate, check the data for repeats, or stop"
+        ))]
+
+    def _gradient(self, metrics):
+        norm = metrics.get("gradient_norm")
+        if norm is None:
+            return []
+        norm = float(norm)
+        history = list(self._norms)
+        self._norms.append(norm)
+        if len(history) < self.SPIKE_HISTORY:
+            return []
+        median = float(np.median(history))
+        if not (median > 0 and norm > self.SPIKE_RATIO * median):
+            return []
+        return [("gradient-spike", (
+            f"gradient norm {norm:.3g} is {norm / median:.1f} times the median of the "
+            f"windows before ({median:.3g}). Lower the learning rate or clip "
+            "(--gradient-clip-norm); a bad batch can cause it too"
+        ))]
