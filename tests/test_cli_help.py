@@ -42,6 +42,7 @@ COMMANDS = [
     ("tfgpt.convert", ["to-tfgpt"], {}),
     ("tfgpt.convert", ["to-gpt2"], {}),
     ("tfgpt.export", [], {}),
+    ("tfgpt.report", [], {}),
     ("tfgpt.kernels.build", [], {}),
     ("bench.run", [], {"--sections": ["training", "scaling", "memory", "generation",
                                       "pipeline"]}),

@@ -5,6 +5,7 @@ slowed by a sleep (data), one Horovod rank's forward pass slowed by a sleep
 (that rank's compute, the other rank's wait for the averaged gradients).
 """
 
+import contextlib
 import io
 import json
 import time
@@ -177,8 +178,8 @@ def test_a_slow_reader_shows_as_data_time(tiny_data, tmp_path, monkeypatch):
     for run in ("healthy", "slow"):
         records = [json.loads(line)
                    for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
-        fired[run] = {rule: record["step"] for record in records
-                      for rule in record.get("rules", [])}
+        fired[run] = {entry["rule"]: record["step"] for record in records
+                      for entry in record.get("rules", [])}
     # Windows at steps 1 (start-up, not judged), 6 and 12: the second names it.
     assert fired["slow"]["input-bound"] == 6
     assert "input-bound" not in fired["healthy"], fired
@@ -202,8 +203,44 @@ def test_a_slow_rank_computes_longer_and_the_other_waits_for_the_average(tiny_da
     assert "time data/compute/communication/other" in output
     # Windows at steps 2, 4, 6 (the first, step 1, is start-up): the third names rank 1.
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    fired = {rule: record["step"] for record in records for rule in record.get("rules", [])}
+    fired = {entry["rule"]: record["step"] for record in records
+             for entry in record.get("rules", [])}
     assert fired["straggler"] == 6, fired
     assert "communication-bound" not in fired
     (line,) = [line for line in output.splitlines() if "warning: straggler" in line]
     assert "rank 1 on " in line
+
+    # The run's summary says the same, from the run directory alone.
+    from tfgpt import report
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert report.main([str(run_dir)]) == 0
+    text = printed.getvalue()
+    train = [r for r in records if r["split"] == "train"]
+    assert f"loss {train[0]['loss']:.4f} at step 1 -> {train[-1]['loss']:.4f} at step 10" in text
+    rows = {line.split("|")[1].strip(): line for line in text.splitlines()
+            if line.startswith("| 0 ") or line.startswith("| 1 ")}
+    assert set(rows) == {"0", "1"}
+    # Rank 1's compute share, the mean of the windows after the first.
+    compute = np.mean([r["workers"][1]["compute"] for r in train[1:]])
+    assert f"| {compute:.1%} |" in rows["1"]
+    assert f"step 6: straggler at step 6: rank 1 on " in text
+    assert (run_dir / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "has no metrics.jsonl"),
+    ('{"step": 1, "split": "train", "loss": 2.0}\nnot json\n', "metrics.jsonl:2: not JSON"),
+    ('{"step": 5, "split": "val", "loss": 2.0}\n', "no training window"),
+])
+def test_report_refuses_what_is_not_a_run_with_one_line(tmp_path, capsys, content, message):
+    from tfgpt import report
+
+    if content is not None:
+        (tmp_path / "metrics.jsonl").write_text(content)
+    with pytest.raises(SystemExit) as exit_info:
+        report.main([str(tmp_path), "--no-plot"])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert message in error and len(error.strip().splitlines()) == 1

@@ -367,7 +367,7 @@ def run_loop(config, distribution, report, *, model, optimizer, step, train_step
             # The window of a run's first step holds tracing and start-up.
             if rules is not None and current + 1 - window_steps > start:
                 fired = rules.check(current + 1, metrics, rows)
-                details["rules"] = [rule for rule, _ in fired]
+                details["rules"] = [{"rule": rule, "message": message} for rule, message in fired]
             report.scalars(current + 1, metrics, details=details)
             for _, message in fired:
                 report.info(f"warning: {message}")
