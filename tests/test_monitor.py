@@ -138,7 +138,7 @@ def _last_window(run_dir):
     return [record for record in records if record["split"] == "train"][-1]
 
 
-def _train_in_process(data, out, monkeypatch, reader_sleep):
+def _train_in_process(data, out, monkeypatch, reader_sleep, steps=12, log_every=6):
     from tfgpt.training import trainer
     from tfgpt.training.flags import parse_flags
 
@@ -154,7 +154,8 @@ def _train_in_process(data, out, monkeypatch, reader_sleep):
         monkeypatch.setattr(trainer, "batches_naming_bad_shards", slow)
     # A model whose step (tens of milliseconds) outweighs reading a batch.
     config, overrides = parse_flags(
-        ["--data", str(data), "--out", str(out), "--steps", "12", "--log-every", "6",
+        ["--data", str(data), "--out", str(out), "--steps", str(steps),
+         "--log-every", str(log_every),
          "--batch-size", "16", "--eval-batches", "1", "--peak-flops", "1e10", "--towers", "1",
          "--num-layers", "2", "--num-heads", "4", "--hidden-dim", "256",
          "--intermediate-dim", "1024", "--max-sequence-length", "16"]
@@ -183,6 +184,23 @@ def test_a_slow_reader_shows_as_data_time(tiny_data, tmp_path, monkeypatch):
     # Windows at steps 1 (start-up, not judged), 6 and 12: the second names it.
     assert fired["slow"]["input-bound"] == 6
     assert "input-bound" not in fired["healthy"], fired
+
+
+def test_memory_kept_every_step_fires_memory_growth(tiny_data, tmp_path, monkeypatch):
+    monkeypatch.setenv("TFGPT_FAULT_GROW_MIB", "0:8")
+    window = _train_in_process(tiny_data, tmp_path / "run", monkeypatch, 0, steps=14,
+                               log_every=2)
+    records = [json.loads(line)
+               for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["split"] == "train"]
+    rss = [r["workers"][0]["rss_mib"] for r in train]
+    # 16 MiB more every window of 2 steps.
+    assert all(later - earlier > 12 for earlier, later in zip(rss[1:], rss[2:])), rss
+    fired = {entry["rule"]: record["step"] for record in records
+             for entry in record.get("rules", [])}
+    # Judged from step 2 on: it grew at steps 4, 6, 8, 10 and 12, the fifth in a row.
+    assert fired.get("memory-growth") == 12, fired
+    assert window["workers"][0]["rank"] == 0
 
 
 @pytest.mark.distributed

@@ -34,6 +34,18 @@ POLICIES = {"off": "float32", "float16": "mixed_float16", "bfloat16": "mixed_bfl
 # Test-only fault injection: SIGKILL this process right after the checkpoint
 # of this step is on disk, to prove that resuming is exact.
 _KILL_AFTER_SAVE = "TFGPT_FAULT_KILL_AFTER_SAVE"
+# Test-only fault injection: "RANK:MIB" makes that rank keep MIB more
+# memory after every step (the monitor's memory-growth rule).
+_GROW_MEMORY = "TFGPT_FAULT_GROW_MIB"
+
+
+def _memory_leak(distribution):
+    """A list the injected growth is kept in, or None (`_GROW_MEMORY`)."""
+    spec = os.environ.get(_GROW_MEMORY, "")
+    if not spec:
+        return None
+    rank, mib = spec.split(":")
+    return (int(rank), float(mib), []) if int(rank) == distribution.rank else None
 
 
 class TrainingDiverged(RuntimeError):
@@ -302,6 +314,7 @@ def run_loop(config, distribution, report, *, model, optimizer, step, train_step
     metrics, mean_loss = {}, float("nan")
     window_start, window_steps, window_sums = time.perf_counter(), 0, {}
     clock, host = monitor.WindowClock(), monitor.HostSampler()
+    leak = _memory_leak(distribution)
     rules = None
     if config.monitor_rules == "on":
         rules = monitor.Rules(monitor.hostnames(distribution))
@@ -317,6 +330,8 @@ def run_loop(config, distribution, report, *, model, optimizer, step, train_step
         step_times = step_metrics.pop(STEP_TIMES, None)
         clock.add_step_times(None if step_times is None else step_times.numpy())
         step.assign(current + 1)
+        if leak is not None:
+            leak[2].append(b"\1" * int(leak[1] * 2**20))  # bytes written: resident
         if profiler.after(current + 1, step_metrics, current + 1 == steps):
             report.info(f"profiler trace of steps {config.profile_steps} in {profiler.directory}")
         window_sums = {
