@@ -45,11 +45,32 @@ def test_one_worker_gathers_its_own_row_and_the_host_figures():
     clock.add("data", 0.0)
     means, rows = monitor.window_figures(LocalDistribution(), clock, monitor.HostSampler())
     assert [row["rank"] for row in rows] == [0]
-    assert set(rows[0]) == {"rank", *monitor.COLUMNS}
+    # No GPU here: its columns are left out.
+    assert set(rows[0]) == {"rank", *monitor.COLUMNS} - {"gpu_percent", "gpu_memory_mib"}
     assert means == {f"time_{part}": pytest.approx(rows[0][part]) for part in monitor.SHARES}
     import psutil
 
     assert rows[0]["rss_mib"] == pytest.approx(psutil.Process().memory_info().rss / 2**20, rel=0.2)
+
+
+def test_a_gpu_is_sampled_through_nvml_and_judged_by_its_utilisation(monkeypatch):
+    class FakeNvml:
+        @staticmethod
+        def nvmlDeviceGetUtilizationRates(handle):
+            return type("Rates", (), {"gpu": 30})
+
+        @staticmethod
+        def nvmlDeviceGetMemoryInfo(handle):
+            return type("Memory", (), {"used": 3 * 2**30})
+
+    monkeypatch.setattr(monitor, "_nvml_device", lambda index: (FakeNvml, f"gpu{index}"))
+    _, rows = monitor.window_figures(LocalDistribution(), monitor.WindowClock(),
+                                     monitor.HostSampler(gpu_index=0))
+    assert rows[0]["gpu_percent"] == 30 and rows[0]["gpu_memory_mib"] == 3072
+    rules = monitor.Rules(["a"])
+    ((rule, message),) = [fired for fired in rules.check(10, {}, [{**rows[0], "cpu_percent": 99}])
+                          if fired[0] == "low-utilisation"]
+    assert "rank 0 on a's GPU was busy 30% of the time" in message
 
 
 def test_reporter_puts_details_in_json_only_and_the_shares_in_one_console_field(tmp_path):

@@ -313,7 +313,8 @@ def run_loop(config, distribution, report, *, model, optimizer, step, train_step
     tokens_per_step = global_batch * sequence_length
     metrics, mean_loss = {}, float("nan")
     window_start, window_steps, window_sums = time.perf_counter(), 0, {}
-    clock, host = monitor.WindowClock(), monitor.HostSampler()
+    clock = monitor.WindowClock()
+    host = monitor.HostSampler(gpu_index=getattr(distribution, "local_rank", 0))
     leak = _memory_leak(distribution)
     rules = None
     if config.monitor_rules == "on":

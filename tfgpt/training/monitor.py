@@ -13,7 +13,9 @@ Per window, each worker measures four shares of the window's wall time:
 - `other`: the rest: the optimizer update, dispatch, logging, checkpoints.
 
 and samples its process (`psutil`): CPU % over the window (100 per busy
-core), resident set in MiB, and the host's I/O wait %. The chief gathers
+core), resident set in MiB, and the host's I/O wait %; with an NVIDIA GPU
+(NVML, `nvidia-ml-py`), the worker's GPU's utilisation % and memory in use
+(MiB), left out of the rows when no worker has one. The chief gathers
 every worker's row (`gather_rows`) and logs the mean shares with the
 window's metrics and every row in `metrics.jsonl`.
 
@@ -30,7 +32,8 @@ import numpy as np
 import tensorflow as tf
 
 SHARES = ("data", "compute", "communication", "other")
-HOST = ("cpu_percent", "rss_mib", "iowait_percent")
+HOST = ("cpu_percent", "rss_mib", "iowait_percent", "gpu_percent", "gpu_memory_mib")
+_NO_GPU = -1.0  # in the gathered matrix: this worker has no GPU to sample
 COLUMNS = SHARES + HOST
 
 
@@ -64,29 +67,55 @@ class WindowClock:
         return shares
 
 
+def _nvml_device(index):
+    """NVML and the handle of GPU `index` (modulo the count), or None without one."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        count = pynvml.nvmlDeviceGetCount()
+        if not count:
+            return None
+        return pynvml, pynvml.nvmlDeviceGetHandleByIndex(index % count)
+    except Exception:  # no package, no driver, no device: nothing to sample
+        return None
+
+
 class HostSampler:
-    """This process's CPU % and resident set, and the host's I/O wait, per window.
+    """This process's CPU % and resident set, the host's I/O wait, the GPU's figures.
 
     Each `sample()` covers the time since the previous one (the first, since
     construction). Without psutil's figures on this platform (I/O wait is
-    Linux's), the missing value is 0.
+    Linux's), the missing value is 0; without a GPU (or NVML), the GPU
+    figures are `_NO_GPU`.
+
+    Args:
+        gpu_index: int. The worker's GPU among the host's (its local rank).
     """
 
-    def __init__(self):
+    def __init__(self, gpu_index=0):
         import psutil
 
         self._psutil = psutil
         self._process = psutil.Process()
         self._process.cpu_percent(None)
         psutil.cpu_times_percent(None)
+        self._gpu = _nvml_device(gpu_index)
 
     def sample(self):
         times = self._psutil.cpu_times_percent(None)
-        return {
+        figures = {
             "cpu_percent": self._process.cpu_percent(None),
             "rss_mib": self._process.memory_info().rss / 2**20,
             "iowait_percent": float(getattr(times, "iowait", 0.0)),
+            "gpu_percent": _NO_GPU,
+            "gpu_memory_mib": _NO_GPU,
         }
+        if self._gpu is not None:
+            nvml, handle = self._gpu
+            figures["gpu_percent"] = float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+            figures["gpu_memory_mib"] = nvml.nvmlDeviceGetMemoryInfo(handle).used / 2**20
+        return figures
 
 
 def gather_rows(distribution, row):
@@ -113,7 +142,9 @@ def window_figures(distribution, clock, host):
     shares = clock.shares()
     sampled = host.sample()
     matrix = gather_rows(distribution, [shares[p] for p in SHARES] + [sampled[h] for h in HOST])
-    rows = [{"rank": rank, **{name: float(value) for name, value in zip(COLUMNS, row)}}
+    gpus = bool((matrix[:, COLUMNS.index("gpu_percent")] != _NO_GPU).any())
+    rows = [{"rank": rank, **{name: float(value) for name, value in zip(COLUMNS, row)
+                              if gpus or not name.startswith("gpu_")}}
             for rank, row in enumerate(matrix)]
     means = {f"time_{part}": float(matrix[:, index].mean()) for index, part in enumerate(SHARES)}
     return means, rows
@@ -149,8 +180,9 @@ class Rules:
     - `communication-bound`: every worker waits for the averaged
       gradients more than 25% of the window (if only some wait, the
       others are stragglers).
-    - `low-utilisation`: a worker's process was busy less than half the
-      window (CPU time under 50% of one core): it mostly waited.
+    - `low-utilisation`: a worker's GPU was busy less than half the
+      window, or without GPUs its process (CPU time under 50% of one
+      core): it mostly waited.
     - `memory-growth`: a worker's resident set grew in each of 5 windows
       in a row, by more than 1 MiB each time.
     - `loss-not-falling`: no new lowest loss in 10 windows.
@@ -238,6 +270,16 @@ class Rules:
         ))]
 
     def _utilisation(self, rows):
+        with_gpu = [row for row in rows if row.get("gpu_percent", _NO_GPU) >= 0]
+        if with_gpu:
+            low = min(with_gpu, key=lambda row: row["gpu_percent"])
+            if low["gpu_percent"] >= self.BUSY_PERCENT:
+                return []
+            return [("low-utilisation", (
+                f"{self._where(low['rank'])}'s GPU was busy {low['gpu_percent']:.0f}% of the "
+                f"time (under {self.BUSY_PERCENT:.0f}%). The time split says what it waited "
+                "for: data, the other workers, or the host's Python"
+            ))]
         low = min(rows, key=lambda row: row["cpu_percent"])
         if low["cpu_percent"] >= self.BUSY_PERCENT:
             return []
