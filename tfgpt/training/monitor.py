@@ -271,22 +271,15 @@ class Rules:
 
     def _utilisation(self, rows):
         with_gpu = [row for row in rows if row.get("gpu_percent", _NO_GPU) >= 0]
-        if with_gpu:
-            low = min(with_gpu, key=lambda row: row["gpu_percent"])
-            if low["gpu_percent"] >= self.BUSY_PERCENT:
-                return []
-            return [("low-utilisation", (
-                f"{self._where(low['rank'])}'s GPU was busy {low['gpu_percent']:.0f}% of the "
-                f"time (under {self.BUSY_PERCENT:.0f}%). The time split says what it waited "
-                "for: data, the other workers, or the host's Python"
-            ))]
-        low = min(rows, key=lambda row: row["cpu_percent"])
-        if low["cpu_percent"] >= self.BUSY_PERCENT:
+        field = "gpu_percent" if with_gpu else "cpu_percent"
+        low = min(with_gpu or rows, key=lambda row: row[field])
+        if low[field] >= self.BUSY_PERCENT:
             return []
+        busy = "'s GPU was busy" if with_gpu else "'s process kept one core busy"
         return [("low-utilisation", (
-            f"{self._where(low['rank'])} kept the CPU busy {low['cpu_percent']:.0f}% of one "
-            f"core (under {self.BUSY_PERCENT:.0f}%): it mostly waited. The time split says "
-            "for what: data, the other workers, or a device"
+            f"{self._where(low['rank'])}{busy} {low[field]:.0f}% of the time (under "
+            f"{self.BUSY_PERCENT:.0f}%): it mostly waited. The time split says for what: "
+            "data, the other workers, or the host"
         ))]
 
     def _memory(self, rows):
