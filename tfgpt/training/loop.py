@@ -23,7 +23,7 @@ import tensorflow as tf
 
 from tfgpt import kernels
 from tfgpt.models.gpt import GPT
-from tfgpt.training import flops, monitor
+from tfgpt.training import faults, flops, monitor
 from tfgpt.training.checkpointing import Checkpointer
 from tfgpt.training.optimizers import make_optimizer
 from tfgpt.training.precision import slow_precision_warning
@@ -31,21 +31,6 @@ from tfgpt.training.profiling import StepProfiler
 from tfgpt.training.train_step import STEP_TIMES
 
 POLICIES = {"off": "float32", "float16": "mixed_float16", "bfloat16": "mixed_bfloat16"}
-# Test-only fault injection: SIGKILL this process right after the checkpoint
-# of this step is on disk, to prove that resuming is exact.
-_KILL_AFTER_SAVE = "TFGPT_FAULT_KILL_AFTER_SAVE"
-# Test-only fault injection: "RANK:MIB" makes that rank keep MIB more
-# memory after every step (the monitor's memory-growth rule).
-_GROW_MEMORY = "TFGPT_FAULT_GROW_MIB"
-
-
-def _memory_leak(distribution):
-    """A list the injected growth is kept in, or None (`_GROW_MEMORY`)."""
-    spec = os.environ.get(_GROW_MEMORY, "")
-    if not spec:
-        return None
-    rank, mib = spec.split(":")
-    return (int(rank), float(mib), []) if int(rank) == distribution.rank else None
 
 
 class TrainingDiverged(RuntimeError):
@@ -287,7 +272,7 @@ def run_loop(config, distribution, report, *, model, optimizer, step, train_step
             data_checkpointer.save(at_step)
             distribution.allreduce_mean(tf.constant(0.0))  # barrier
         path = checkpointer.save(at_step)
-        if int(os.environ.get(_KILL_AFTER_SAVE, "-1")) == at_step:
+        if faults.kill_after_save() == at_step:
             # Fault injection (tests): every worker dies once the chief's
             # checkpoint is on disk. Without the barrier a non-chief rank
             # could die first, and horovodrun would stop the chief mid-write.
@@ -315,7 +300,7 @@ def run_loop(config, distribution, report, *, model, optimizer, step, train_step
     window_start, window_steps, window_sums = time.perf_counter(), 0, {}
     clock = monitor.WindowClock()
     host = monitor.HostSampler(gpu_index=getattr(distribution, "local_rank", 0))
-    leak = _memory_leak(distribution)
+    grow_mib, kept = faults.for_rank(faults.GROW_MIB, distribution.rank), []
     rules = None
     if config.monitor_rules == "on":
         rules = monitor.Rules(monitor.hostnames(distribution))
@@ -331,8 +316,8 @@ def run_loop(config, distribution, report, *, model, optimizer, step, train_step
         step_times = step_metrics.pop(STEP_TIMES, None)
         clock.add_step_times(None if step_times is None else step_times.numpy())
         step.assign(current + 1)
-        if leak is not None:
-            leak[2].append(b"\1" * int(leak[1] * 2**20))  # bytes written: resident
+        if grow_mib:
+            kept.append(b"\1" * int(grow_mib * 2**20))  # bytes written: resident
         if profiler.after(current + 1, step_metrics, current + 1 == steps):
             report.info(f"profiler trace of steps {config.profile_steps} in {profiler.directory}")
         window_sums = {

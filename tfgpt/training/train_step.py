@@ -1,7 +1,6 @@
 """The compiled training and evaluation steps shared by every front end."""
 
 import contextlib
-import os
 import time
 
 import keras
@@ -9,6 +8,7 @@ import tensorflow as tf
 
 from tfgpt import kernels
 from tfgpt.config.checks import require_positive_int
+from tfgpt.training import faults
 
 
 def cross_entropy(targets, logits, weights=None):
@@ -62,21 +62,8 @@ def _compiled_parts(distribution, xla, zero):
 STEP_TIMES = "step_times"
 
 
-# Fault injection (tests of the time split): "RANK:SECONDS" makes that
-# rank's forward pass start SECONDS late, inside the measured compute.
-_SLOW_COMPUTE = "TFGPT_FAULT_SLOW_COMPUTE"
-
-
-def _injected_delay(distribution):
-    spec = os.environ.get(_SLOW_COMPUTE, "")
-    if not spec:
-        return 0.0
-    rank, seconds = spec.split(":")
-    return float(seconds) if int(rank) == getattr(distribution, "rank", 0) else 0.0
-
-
 def _timestamp_after(tensors):
-    with tf.control_dependencies([t for t in tensors if t is not None]):
+    with tf.control_dependencies(tensors):
         return tf.timestamp()
 
 
@@ -266,7 +253,7 @@ class TrainStep:
             # source op before the forward pass.
             start = tf.timestamp()
             after = [start]
-            delay = _injected_delay(self.distribution)
+            delay = faults.for_rank(faults.SLOW_COMPUTE, getattr(self.distribution, "rank", 0))
             if delay:
                 with tf.control_dependencies([start]):
                     after.append(tf.py_function(lambda: time.sleep(delay) or 0.0, [], tf.float32))
