@@ -26,8 +26,7 @@ import statistics
 import sys
 
 from tfgpt.cli import HelpFormatter
-
-SHARES = ("data", "compute", "communication", "other")
+from tfgpt.training.monitor import SHARES
 
 
 def read_run(run_dir):

@@ -297,8 +297,8 @@ def run_loop(config, distribution, report, *, model, optimizer, step, train_step
     start = int(step.numpy())
     tokens_per_step = global_batch * sequence_length
     metrics, mean_loss = {}, float("nan")
-    window_start, window_steps, window_sums = time.perf_counter(), 0, {}
-    clock = monitor.WindowClock()
+    window_steps, window_sums = 0, {}
+    clock = monitor.WindowClock()  # the window's start and its time split
     host = monitor.HostSampler(gpu_index=getattr(distribution, "local_rank", 0))
     grow_mib, kept = faults.for_rank(faults.GROW_MIB, distribution.rank), []
     rules = None
@@ -314,7 +314,7 @@ def run_loop(config, distribution, report, *, model, optimizer, step, train_step
         clock.add("data", time.perf_counter() - waited)
         step_metrics = dict(train_step(batch))
         step_times = step_metrics.pop(STEP_TIMES, None)
-        clock.add_step_times(None if step_times is None else step_times.numpy())
+        clock.add_step_times(step_times)
         step.assign(current + 1)
         if grow_mib:
             kept.append(b"\1" * int(grow_mib * 2**20))  # bytes written: resident
@@ -340,7 +340,7 @@ def run_loop(config, distribution, report, *, model, optimizer, step, train_step
                     f"loss is {mean_loss} at step {current + 1}; stopping without saving "
                     f"(last good checkpoint: {checkpointer.latest})"
                 )
-            elapsed = time.perf_counter() - window_start
+            elapsed = clock.elapsed()
             metrics = {"loss": mean_loss}
             if perplexity:
                 metrics["perplexity"] = math.exp(min(mean_loss, 50.0))
@@ -372,7 +372,7 @@ def run_loop(config, distribution, report, *, model, optimizer, step, train_step
             report.scalars(current + 1, metrics, details=details)
             for _, message in fired:
                 report.info(f"warning: {message}")
-            window_start, window_steps, window_sums = time.perf_counter(), 0, {}
+            window_steps, window_sums = 0, {}
             clock.reset()
         if config.save_every and (current + 1) % config.save_every == 0 and not last:
             save(current + 1, float(step_metrics["loss"]))

@@ -29,7 +29,6 @@ Example:
 import time
 
 import numpy as np
-import tensorflow as tf
 
 SHARES = ("data", "compute", "communication", "other")
 HOST = ("cpu_percent", "rss_mib", "iowait_percent", "gpu_percent", "gpu_memory_mib")
@@ -59,9 +58,13 @@ class WindowClock:
             self.add("compute", compute)
             self.add("communication", communication)
 
+    def elapsed(self):
+        """Seconds since the window started."""
+        return time.perf_counter() - self.start
+
     def shares(self):
         """{part: share of the window's wall time so far}; `other` is the rest."""
-        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        elapsed = max(self.elapsed(), 1e-9)
         shares = {part: seconds / elapsed for part, seconds in self.seconds.items()}
         shares["other"] = max(0.0, 1.0 - sum(shares.values()))
         return shares
@@ -125,6 +128,8 @@ def gather_rows(distribution, row):
     workers average it (`distribution.allreduce_mean`), so every row arrives
     divided by the worker count, which is multiplied back.
     """
+    import tensorflow as tf  # here: tfgpt.report reads SHARES without TensorFlow
+
     workers = distribution.num_workers
     matrix = np.zeros((workers, len(row)), np.float64)
     matrix[distribution.rank] = row
