@@ -167,7 +167,7 @@ def test_bfloat16_stage_2_matches_stage_0_to_its_precision(tmp_path):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_a_stage_3_checkpoint_of_two_ranks_resumes_on_one_and_three(tmp_path):
+def test_a_stage_3_checkpoint_of_two_ranks_resumes_on_one_and_three_and_back(tmp_path):
     straight = _train(tmp_path, "straight", 2, "--stage", "3")[0]
     checkpoint = tmp_path / "checkpoint"
     _train(tmp_path, "first-half", 2, "--stage", "3", "--stop-at", "3",
@@ -185,6 +185,16 @@ def test_a_stage_3_checkpoint_of_two_ranks_resumes_on_one_and_three(tmp_path):
         np.testing.assert_allclose(results[0]["losses"], straight["losses"][3:], rtol=0,
                                    atol=1e-5, err_msg=f"{ranks} ranks, stage {stage}")
         _assert_weights_close(results, straight, 1e-5, f"resumed on {ranks}, stage {stage}")
+    # And the other way: one worker's stage 3 checkpoint resumed on two.
+    single = tmp_path / "single"
+    _train(tmp_path, "single-first-half", 1, "--stage", "3", "--stop-at", "3",
+           "--checkpoint", single)
+    assert sorted(os.listdir(single / "zero" / "ckpt-3")) == [
+        "layout.json", "rank-00000-of-00001.npz"]
+    results = _train(tmp_path, "resumed-from-one", 2, "--stage", "3", "--checkpoint", single)
+    assert int(results[0]["start"]) == 3
+    np.testing.assert_allclose(results[0]["losses"], straight["losses"][3:], rtol=0, atol=1e-5)
+    _assert_weights_close(results, straight, 1e-5, "one worker's checkpoint resumed on 2")
 
 
 def _shard_files(run_dir, step):
