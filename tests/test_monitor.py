@@ -35,7 +35,7 @@ def test_window_shares_are_each_parts_seconds_over_the_wall_time():
     # Every part is divided by the same wall time.
     assert shares["compute"] / shares["data"] == pytest.approx(2.0)
     assert shares["compute"] / shares["communication"] == pytest.approx(4.0)
-    assert 0.3 < shares["compute"] < 0.41  # 0.04 s of at least 0.1 s
+    assert 0 < shares["compute"] <= 0.4  # 0.04 s of at least 0.1 s (slept), however loaded
     clock.reset()
     assert clock.shares()["other"] == pytest.approx(1.0)
 
@@ -187,13 +187,13 @@ def _train_in_process(data, out, monkeypatch, reader_sleep, steps=12, log_every=
 
 def test_a_slow_reader_shows_as_data_time(tiny_data, tmp_path, monkeypatch):
     healthy = _train_in_process(tiny_data, tmp_path / "healthy", monkeypatch, 0)
-    slow = _train_in_process(tiny_data, tmp_path / "slow", monkeypatch, 0.25)
+    slow = _train_in_process(tiny_data, tmp_path / "slow", monkeypatch, 0.5)
     for window in (healthy, slow):
         shares = [window[f"time_{part}"] for part in monitor.SHARES]
         assert all(share >= 0 for share in shares) and sum(shares) == pytest.approx(1.0)
         assert window["workers"][0]["rank"] == 0 and window["workers"][0]["cpu_percent"] >= 0
     assert healthy["time_compute"] > 0.1  # the step's own timestamps
-    # 0.25 s per batch against a step of tens of milliseconds.
+    # 0.5 s per batch against a step of tens of milliseconds.
     assert slow["time_data"] > 0.7
     assert slow["time_data"] > healthy["time_data"] + 0.4
     fired = {}
