@@ -6,12 +6,14 @@ slowed by a sleep (data), one Horovod rank's forward pass slowed by a sleep
 """
 
 import contextlib
+import glob
 import io
 import json
 import time
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from tests.launch import REPO, horovodrun
 from tfgpt.distributed import LocalDistribution
@@ -88,6 +90,27 @@ def test_reporter_puts_details_in_json_only_and_the_shares_in_one_console_field(
     (record,) = [json.loads(text) for text in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert record["workers"] == [{"rank": 0, "data": 0.1}]
     assert record["time_compute"] == 0.7
+
+
+def test_reporter_writes_every_workers_figures_to_tensorboard(tmp_path):
+    from tfgpt.training.reporter import Reporter
+
+    report = Reporter(str(tmp_path), True, stream=io.StringIO())
+    report.scalars(5, {"loss": 2.0}, details={"workers": [
+        {"rank": 0, "compute": 0.7, "rss_mib": 1200.0},
+        {"rank": 1, "compute": 0.4, "rss_mib": 900.0},
+    ]})
+    report.close()
+    values = {}
+    for path in glob.glob(str(tmp_path / "tensorboard" / "events.out.tfevents.*")):
+        for event in tf.compat.v1.train.summary_iterator(path):
+            for value in event.summary.value:
+                values[(event.step, value.tag)] = float(tf.make_ndarray(value.tensor))
+    assert values == pytest.approx({
+        (5, "train/loss"): 2.0,
+        (5, "train/worker_0/compute"): 0.7, (5, "train/worker_0/rss_mib"): 1200.0,
+        (5, "train/worker_1/compute"): 0.4, (5, "train/worker_1/rss_mib"): 900.0,
+    })
 
 
 def _row(rank, data=0.01, compute=0.9, communication=0.05, cpu_percent=95.0, rss_mib=1000.0):

@@ -37,8 +37,11 @@ class Reporter:
     def scalars(self, step, metrics, prefix="train", details=None):
         """Logs `metrics` (name -> float) at `step`: one console line, one JSON line.
 
-        `details` (JSON-serialisable, e.g. every worker's figures) goes into
-        the JSON line only. The `time_<part>` shares
+        `details` (JSON-serialisable) goes into the JSON line; its
+        `workers` rows (`tfgpt.training.monitor.window_figures`: one dict
+        per worker with its `rank`) also go to TensorBoard, as
+        `<prefix>/worker_<rank>/<figure>`, so one rank's CPU, memory or
+        time split can be plotted beside the others'. The `time_<part>` shares
         (`tfgpt.training.monitor`) are one console field, in percent:
         `time data/compute/communication/other 1/80/6/13%`.
         """
@@ -51,6 +54,10 @@ class Reporter:
         with self._writer.as_default(step=int(step)):
             for name, value in metrics.items():
                 tf.summary.scalar(f"{prefix}/{name}", float(value))
+            for row in (details or {}).get("workers", ()):
+                for name, value in row.items():
+                    if name != "rank":
+                        tf.summary.scalar(f"{prefix}/worker_{row['rank']}/{name}", float(value))
         self._writer.flush()
         parts = [f"{prefix} step {int(step):>6d}"]
         parts += [f"{name} {_format(value)}" for name, value in metrics.items()
