@@ -39,6 +39,8 @@ from horovod.runner.common.util.hosts import (
 from horovod.runner.gloo_run import create_run_env_vars, create_slot_env_vars
 from horovod.runner.http.http_server import RendezvousHandler, RendezvousHTTPServer
 
+from tfgpt.cli import HelpFormatter
+
 
 def rank_plan(hosts):
     """Every rank's `SlotInfo` (host, rank, local and cross rank, sizes), as horovodrun assigns them.
@@ -85,6 +87,11 @@ def rank_environment(plan, rank, port, network_interface=""):
 def start_rendezvous(plan, port):
     """Horovod's rendezvous server for `plan` on `port` of every interface, serving in a thread.
 
+    Args:
+        plan: list of SlotInfo. `rank_plan(...)`: the server learns each
+            scope's size (global, per host, per local rank) from it.
+        port: int. The port every rank was told.
+
     `RendezvousServer.start()`, the way horovodrun starts it, binds a random
     port only its own children are told; here the tasks of the other ranks
     were started by Slurm and know the port from the batch script, so the
@@ -117,7 +124,8 @@ def _parser():
     parser = argparse.ArgumentParser(
         prog="python -m tfgpt.slurm_launcher",
         usage="%(prog)s --hosts HOST:SLOTS,... --port PORT [--rank R] -- COMMAND ...",
-        description=__doc__.split("\n\n")[0],
+        description=__doc__,
+        formatter_class=HelpFormatter,
     )
     parser.add_argument(
         "--hosts", required=True, metavar="HOST:SLOTS,...",
@@ -130,14 +138,16 @@ def _parser():
     )
     parser.add_argument(
         "--rank", type=int, metavar="R",
-        help="This task's rank (default: SLURM_PROCID).",
+        help="This task's rank; SLURM_PROCID when not given.",
     )
     parser.add_argument(
         "--network-interface", default="", metavar="NAME",
         help="Network interface the ranks use between hosts (HOROVOD_GLOO_IFACE, "
-        "NCCL_SOCKET_IFNAME); default: the address each host name resolves to.",
+        "NCCL_SOCKET_IFNAME); empty: the address each host name resolves to.",
     )
-    parser.add_argument("command", nargs=argparse.REMAINDER, help="The rank's command, after --.")
+    parser.add_argument(
+        "command", nargs=argparse.REMAINDER, help="The rank's command, after --."
+    )
     return parser
 
 
@@ -171,6 +181,7 @@ def parse_args(argv=None, environ=None):
 
 
 def main(argv=None):
+    """Runs this task's rank (and, on rank 0, the rendezvous server); returns its exit status."""
     plan, rank, args = parse_args(argv)
     server = start_rendezvous(plan, args.port) if rank == 0 else None
     child = subprocess.Popen(
