@@ -459,6 +459,22 @@ def test_launcher_without_a_command_is_an_error(capsys):
         "error: no command: give the rank's command after --")
 
 
+def test_launcher_of_rank_0_on_a_busy_port_is_one_error_line(capsys):
+    busy = socket.socket()
+    busy.bind(("", 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    try:
+        code = slurm_launcher.main(["--hosts", "localhost:2", "--port", str(port),
+                                    "--rank", "0", "--", "true"])
+    finally:
+        busy.close()
+    assert code == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: --port {port}: the rendezvous server cannot listen on it on localhost "
+        "(Address already in use)")
+
+
 @pytest.mark.distributed
 def test_two_launched_ranks_train_and_end_identical(tiny_data, tmp_path):
     """Two Slurm tasks' worth of launchers on localhost, no horovodrun: a real run."""

@@ -183,7 +183,14 @@ def parse_args(argv=None, environ=None):
 def main(argv=None):
     """Runs this task's rank (and, on rank 0, the rendezvous server); returns its exit status."""
     plan, rank, args = parse_args(argv)
-    server = start_rendezvous(plan, args.port) if rank == 0 else None
+    server = None
+    if rank == 0:
+        try:
+            server = start_rendezvous(plan, args.port)
+        except OSError as error:
+            print(f"error: --port {args.port}: the rendezvous server cannot listen on it "
+                  f"on {plan[0].hostname} ({error.strerror})", file=sys.stderr)
+            return 2
     child = subprocess.Popen(
         args.command, env={**os.environ, **rank_environment(plan, rank, args.port,
                                                              args.network_interface)},
