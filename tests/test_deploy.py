@@ -7,7 +7,9 @@ override), with stand-ins for scontrol, srun and apptainer that record their
 command lines; each manifest is read with PyYAML. The oracles are the
 programs' own parsers: train_hvd.py's for its flags, horovodrun's for its
 own, tfgpt.slurm_launcher's for the rank each Slurm task gets, and Horovod's
-hostfile reader for the hostfile the MPI operator writes.
+hostfile reader for the hostfile the MPI operator writes. Two runs train for
+real: train.sbatch itself on this machine (and again, as a requeued job,
+resuming), and two launched ranks that must end with identical weights.
 """
 
 import contextlib
@@ -24,7 +26,7 @@ import numpy as np
 import pytest
 import yaml
 
-from tests.launch import REPO, processes, train_losses
+from tests.launch import REPO, processes, run, train_losses
 from tfgpt import slurm_launcher
 
 SLURM = REPO / "deploy" / "slurm"
@@ -290,6 +292,68 @@ def test_discovery_script_lists_the_nodes_whose_ssh_server_answers():
     assert listed.stdout.split() == ["127.0.0.1"], listed.stderr
     gone = subprocess.run(discover, env=environment, capture_output=True, text=True, timeout=30)
     assert gone.stdout.split() == []
+
+
+# Stand-ins that run the job on this machine, as one node named localhost:
+# srun starts --ntasks copies of its command with the variables Slurm gives
+# each task; apptainer runs its command from the repo (the image's
+# /opt/tfgpt) with this interpreter as `python`.
+_LOCAL_SLURM = {
+    "scontrol": """#!/bin/sh
+echo localhost
+""",
+    "srun": """#!{python}
+import os, subprocess, sys
+arguments = sys.argv[1:]
+start = next(i for i, argument in enumerate(arguments) if not argument.startswith("-"))
+tasks = int(next(a.split("=")[1] for a in arguments[:start] if a.startswith("--ntasks=")))
+started = [subprocess.Popen(arguments[start:], env=dict(
+    os.environ, SLURM_PROCID=str(rank), SLURM_NTASKS=str(tasks), SLURMD_NODENAME="localhost"))
+    for rank in range(tasks)]
+sys.exit(max(process.wait() for process in started))
+""",
+    "apptainer": """#!{python}
+import os, sys
+arguments = sys.argv[2:]
+while arguments[0].startswith("-"):
+    arguments = arguments[1:] if arguments[0] == "--nv" else arguments[2:]
+os.chdir("{repo}")
+os.execvp(arguments[1], arguments[1:])
+""",
+    "python": """#!/bin/sh
+exec {python} "$@"
+""",
+}
+
+
+@pytest.mark.distributed
+def test_slurm_script_trains_on_one_node_and_resumes_when_requeued(tiny_data, tmp_path):
+    """train.sbatch itself, 1 node x 2 tasks on this machine; run again as a
+    requeued job does, it continues from the first run's checkpoint."""
+    bin_directory = tmp_path / "bin"
+    bin_directory.mkdir()
+    for name, text in _LOCAL_SLURM.items():
+        (bin_directory / name).write_text(text.format(python=sys.executable, repo=REPO))
+        (bin_directory / name).chmod(0o755)
+    run_directory = tmp_path / "run"
+    environment = {
+        "PATH": f"{bin_directory}{os.pathsep}{os.environ['PATH']}",
+        "TFGPT_SHARED": str(tmp_path), "TFGPT_DATA": str(tiny_data),
+        "TFGPT_OUT": str(run_directory), "SLURM_JOB_ID": str(os.getpid()),
+        "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_NUM_NODES": "1",
+        "SLURM_NTASKS_PER_NODE": "2",
+    }
+    tiny = ["--preset", "gpt-demo", "--batch-size", "2", "--eval-batches", "1",
+            "--log-every", "1", "--num-layers", "2", "--num-heads", "2", "--hidden-dim", "32",
+            "--intermediate-dim", "48", "--max-sequence-length", "16"]
+    code, output = run(["bash", SCRIPTS["static"], *tiny, "--steps", "2"], env=environment)
+    assert code == 0, output
+    assert json.loads((run_directory / "config.json").read_text())["workers"] == 2
+    assert sorted(train_losses(run_directory)) == [1, 2]
+    code, output = run(["bash", SCRIPTS["static"], *tiny, "--steps", "3"], env=environment)
+    assert code == 0, output
+    assert f"resumed from {run_directory}/ckpt-2 at step 2" in output
+    assert sorted(train_losses(run_directory)) == [1, 2, 3]
 
 
 # ---- Kubeflow ----------------------------------------------------------------
