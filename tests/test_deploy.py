@@ -188,6 +188,7 @@ def check_static_script(script, tmp_path, nodes=None, tasks_per_node=None):
     assert int(option(srun_options, "--ntasks")) == ranks
     assert int(option(srun_options, "--ntasks-per-node")) == tasks_per_node
     assert option(srun_options, "--distribution") == "block"
+    assert option(srun_options, "--cpus-per-task") == sbatch_options(script)["cpus-per-task"]
     image = str(shared / "images" / "tfgpt-gpu.sif")
     assert option(srun, "--bind") == str(shared) and image.startswith(str(shared))
     command = _apptainer_command(srun, image)
@@ -347,7 +348,7 @@ def test_slurm_script_trains_on_one_node_and_resumes_when_requeued(tiny_data, tm
         "TFGPT_SHARED": str(tmp_path), "TFGPT_DATA": str(tiny_data),
         "TFGPT_OUT": str(run_directory), "SLURM_JOB_ID": str(os.getpid()),
         "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_NUM_NODES": "1",
-        "SLURM_NTASKS_PER_NODE": "2",
+        "SLURM_NTASKS_PER_NODE": "2", "SLURM_CPUS_PER_TASK": "1",
     }
     tiny = ["--preset", "gpt-demo", "--batch-size", "2", "--eval-batches", "1",
             "--log-every", "1", "--num-layers", "2", "--num-heads", "2", "--hidden-dim", "32",
