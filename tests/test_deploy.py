@@ -213,6 +213,10 @@ def check_elastic_script(script, tmp_path, monkeypatch, nodes=None, tasks_per_no
     commands, shared, (nodes, tasks_per_node) = run_batch_script(
         script, tmp_path, nodes, tasks_per_node)
     image = str(shared / "images" / "tfgpt-gpu.sif")
+    # Every container sees the shared storage (the key, the data, --out).
+    for command in commands:
+        if "apptainer" in command:
+            assert option(command[command.index("apptainer"):], "--bind") == str(shared)
     (servers,) = [command for command in commands if command[0] == "srun"]
     assert int(option(servers, "--ntasks")) == nodes
     assert int(option(servers, "--ntasks-per-node")) == 1
