@@ -61,6 +61,31 @@ def horovodrun(num_workers, *command, timeout=TIMEOUT_SECONDS, env=None):
 
 
 
+def processes(commands, timeout=TIMEOUT_SECONDS):
+    """Runs each `(command, extra environment)` of `commands` at once, from the repo root.
+
+    Every process gets its own process group; all of them are killed when
+    one outlives `timeout`. Returns `[(returncode, output)]` in `commands` order.
+    """
+    started = []
+    for command, env in commands:
+        environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(REPO), **env)
+        started.append(subprocess.Popen(
+            [str(part) for part in command], env=environment, cwd=REPO,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True,
+        ))
+    outputs = []
+    try:
+        for process in started:
+            outputs.append(process.communicate(timeout=timeout)[0])
+    finally:
+        for process in started:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+    return [(process.returncode, output) for process, output in zip(started, outputs)]
+
+
 def multi_worker(count, *command, timeout=TIMEOUT_SECONDS):
     """Runs `python command...` as `count` MultiWorkerMirrored workers on localhost.
 
@@ -68,24 +93,13 @@ def multi_worker(count, *command, timeout=TIMEOUT_SECONDS):
     timeout or failure. Returns `[(returncode, output)]` in worker order.
     """
     cluster = localhost_cluster(count)
-    processes = []
-    for index in range(count):
-        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(REPO),
-                   TF_CONFIG=json.dumps({"cluster": cluster,
-                                         "task": {"type": "worker", "index": index}}))
-        processes.append(subprocess.Popen(
-            [sys.executable, *map(str, command)], env=env, cwd=REPO, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        ))
-    outputs = []
-    try:
-        for process in processes:
-            outputs.append(process.communicate(timeout=timeout)[0])
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
-    return [(process.returncode, output) for process, output in zip(processes, outputs)]
+    return processes(
+        [([sys.executable, *command],
+          {"TF_CONFIG": json.dumps({"cluster": cluster,
+                                    "task": {"type": "worker", "index": index}})})
+         for index in range(count)],
+        timeout=timeout,
+    )
 
 
 def train_losses(run_dir):

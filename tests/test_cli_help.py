@@ -43,6 +43,7 @@ COMMANDS = [
     ("tfgpt.convert", ["to-gpt2"], {}),
     ("tfgpt.export", [], {}),
     ("tfgpt.report", [], {}),
+    ("tfgpt.slurm_launcher", [], {}),
     ("tfgpt.kernels.build", [], {}),
     ("bench.run", [], {"--sections": ["training", "scaling", "memory", "generation",
                                       "pipeline"]}),
