@@ -25,9 +25,9 @@ records (evaluation loops that sum and allreduce once at the end); pass
 
 Global order (elastic training): with `cursor=P`, every worker builds the
 same stream of the split's records, epoch after epoch (`global_records`:
-files in one seeded order, read one after the other, then the seeded record
-shuffle, reseeded each epoch), skips the first P and keeps every N-th from
-its index on. N workers that each take B records per step in lockstep
+files in one seeded order, read one after the other, records shuffled in
+seeded blocks, new draws each epoch), skips the first P and keeps every
+N-th from its index on. N workers that each take B records per step in lockstep
 consume positions P to P + s * B * N - 1 in s steps, whatever N was before:
 a run whose world size changes restarts every worker's pipeline at the
 cursor its steps reached, and each sequence of an epoch is used once.
@@ -358,11 +358,6 @@ def open_data_dir(
     return manifest, num_shards, shard_index
 
 
-def _epoch_seed(seed, epoch):
-    # A distinct stream of shuffle seeds per epoch, the same on every worker.
-    return tf.cast(seed, tf.int64) * 1_000_003 + epoch
-
-
 def global_records(
     manifest: Manifest,
     data_dir: str,
@@ -375,12 +370,14 @@ def global_records(
 ) -> tf.data.Dataset:
     """The split's records, epoch after epoch, in one order every worker builds alike; from `cursor` on.
 
-    Epoch `e` reads every shard once, in the manifest's order (or seeded by
-    `seed` and `e`), record after record, then shuffles the records through
-    a buffer of `shuffle_buffer` seeded the same way; positions
-    `e * R` to `(e + 1) * R - 1` of the stream are epoch `e`'s `R` records.
-    Starting at `cursor` skips whole epochs without reading them and reads
-    through the rest of the cursor's epoch (`skip`), O(R) records at most.
+    Epoch `e` reads every shard once, in the manifest's order or (with
+    `shuffle`) in an order drawn from `(seed, e)`, record after record,
+    and shuffles each block of `shuffle_buffer` consecutive records with
+    a seed drawn from `(seed, e, block)`; positions `e * R` to
+    `(e + 1) * R - 1` of the stream are epoch `e`'s `R` records. Every
+    draw is stateless, so any worker can start at any epoch. Starting at
+    `cursor` skips whole epochs without reading them and reads through
+    the rest of the cursor's epoch (`skip`), O(R) records at most.
 
     Args:
         manifest, data_dir, split, shuffle, seed, shuffle_buffer: as for
@@ -398,15 +395,27 @@ def global_records(
     paths = tf.constant([os.path.join(data_dir, shard["filename"]) for shard in shards])
     first_epoch, offset = divmod(cursor, records_per_epoch)
 
+    # Stateless draws (`Dataset.shuffle` takes no tensor seed once a
+    # global seed is set): the same on every worker, from any epoch on.
     def epoch_records(epoch):
-        files = tf.data.Dataset.from_tensor_slices(paths)
-        if shuffle:
-            files = files.shuffle(len(shards), seed=_epoch_seed(seed, epoch))
+        epoch_seed = tf.random.experimental.stateless_fold_in(
+            tf.constant([seed, 0], tf.int64), epoch
+        )
+        order = tf.random.experimental.stateless_shuffle(paths, epoch_seed) if shuffle else paths
         # One file after the other: the same record order on every worker.
-        records = files.flat_map(lambda path: tf.data.TFRecordDataset(path, compression))
-        if shuffle:
-            records = records.shuffle(shuffle_buffer, seed=_epoch_seed(seed, epoch))
-        return records
+        records = tf.data.Dataset.from_tensor_slices(order).flat_map(
+            lambda path: tf.data.TFRecordDataset(path, compression)
+        )
+        if not shuffle:
+            return records
+
+        def shuffled(block, values):
+            block_seed = tf.random.experimental.stateless_fold_in(epoch_seed, block)
+            return tf.data.Dataset.from_tensor_slices(
+                tf.random.experimental.stateless_shuffle(values, block_seed)
+            )
+
+        return records.batch(shuffle_buffer).enumerate().flat_map(shuffled)
 
     epochs = tf.data.Dataset.range(first_epoch, tf.int64.max)
     return epochs.flat_map(epoch_records).skip(offset)
