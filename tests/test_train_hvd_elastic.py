@@ -237,37 +237,3 @@ def test_elastic_resume_refuses_a_run_trained_without_it(tiny_data, tmp_path):
         _train_with_options([*flags, "--steps", "4", "--resume"],
                             HorovodOptions(elastic=True))
 
-
-@pytest.mark.distributed
-def test_an_elastic_run_killed_after_a_save_resumes_exactly(tiny_data, tmp_path):
-    """12 steps in one go == 6 steps, SIGKILL, --resume for 6 more (data
-    position from the checkpoint's cursor): bitwise. Plain horovodrun: the
-    elastic code path without a discovery script."""
-    from tests.launch import horovodrun
-    from tests.test_train_hvd import _checkpoint_tensors, _train_losses
-
-    def command(run_dir, *extra):
-        return [REPO / "train_hvd.py", "--data", tiny_data, "--out", run_dir, "--steps", "12",
-                "--save-every", "6", "--log-every", "2", "--batch-size", "4", "--dropout", "0.1",
-                "--eval-batches", "1", "--peak-flops", "1e11", *TINY_MODEL, "--elastic",
-                "--commit-every", "4", *extra]
-
-    code, output = horovodrun(2, *command(tmp_path / "straight"))
-    assert code == 0, output
-    assert "warning: --elastic outside an elastic horovodrun" in output
-    code, output = horovodrun(2, *command(tmp_path / "killed"),
-                              env={faults.KILL_AFTER_SAVE: "6"})
-    assert code != 0 and not (tmp_path / "killed" / "ckpt-12.index").exists(), output
-    code, output = horovodrun(2, *command(tmp_path / "killed", "--resume"))
-    assert code == 0, output
-    assert "at step 6, data position 48 of the global order" in output
-
-    straight = _checkpoint_tensors(tmp_path / "straight" / "ckpt-12")
-    resumed = _checkpoint_tensors(tmp_path / "killed" / "ckpt-12")
-    assert straight.keys() == resumed.keys()
-    for name in straight:
-        np.testing.assert_array_equal(straight[name], resumed[name], err_msg=name)
-    straight_losses = _train_losses(tmp_path / "straight")
-    resumed_losses = _train_losses(tmp_path / "killed")
-    for at_step in (8, 10, 12):
-        assert resumed_losses[at_step] == straight_losses[at_step], at_step
