@@ -23,6 +23,15 @@ stay aligned across workers. With `repeat=False` the default is one full pass ov
 records (evaluation loops that sum and allreduce once at the end); pass
 `equal_steps=True` when each step has a collective.
 
+Global order (elastic training): with `cursor=P`, every worker builds the
+same stream of the split's records, epoch after epoch (`global_records`:
+files in one seeded order, read one after the other, records shuffled in
+seeded blocks, new draws each epoch), skips the first P and keeps every
+N-th from its index on. N workers that each take B records per step in lockstep
+consume positions P to P + s * B * N - 1 in s steps, whatever N was before:
+a run whose world size changes restarts every worker's pipeline at the
+cursor its steps reached, and each sequence of an epoch is used once.
+
 Exact resume: every pipeline here is made of checkpointable tf.data
 transformations only (no `py_function`; shuffle buffers hold at most
 `shuffle_buffer` serialized records), so `tf.train.Checkpoint(iterator=
@@ -349,6 +358,69 @@ def open_data_dir(
     return manifest, num_shards, shard_index
 
 
+def global_records(
+    manifest: Manifest,
+    data_dir: str,
+    split: str,
+    *,
+    shuffle: bool,
+    seed: int,
+    shuffle_buffer: int,
+    cursor: int,
+) -> tf.data.Dataset:
+    """The split's records, epoch after epoch, in one order every worker builds alike; from `cursor` on.
+
+    Epoch `e` reads every shard once, in the manifest's order or (with
+    `shuffle`) in an order drawn from `(seed, e)`, record after record,
+    and shuffles each block of `shuffle_buffer` consecutive records with
+    a seed drawn from `(seed, e, block)`; positions `e * R` to
+    `(e + 1) * R - 1` of the stream are epoch `e`'s `R` records. Every
+    draw is stateless, so any worker can start at any epoch. Starting at
+    `cursor` skips whole epochs without reading them and reads through
+    the rest of the cursor's epoch (`skip`), O(R) records at most.
+
+    Args:
+        manifest, data_dir, split, shuffle, seed, shuffle_buffer: as for
+            `make_dataset`.
+        cursor: int. Records of the stream already consumed.
+
+    Returns:
+        tf.data.Dataset of scalar tf.string records, endless.
+    """
+    if not _is_int(cursor) or cursor < 0:
+        raise ValueError(f"`cursor` must be a non-negative int. Received: cursor={cursor!r}")
+    shards = _split_shards(manifest, split, data_dir)
+    compression = manifest.get("compression") or ""
+    records_per_epoch = sum(shard["sequences"] for shard in shards)
+    paths = tf.constant([os.path.join(data_dir, shard["filename"]) for shard in shards])
+    first_epoch, offset = divmod(cursor, records_per_epoch)
+
+    # Stateless draws (`Dataset.shuffle` takes no tensor seed once a
+    # global seed is set): the same on every worker, from any epoch on.
+    def epoch_records(epoch):
+        epoch_seed = tf.random.experimental.stateless_fold_in(
+            tf.constant([seed, 0], tf.int64), epoch
+        )
+        order = tf.random.experimental.stateless_shuffle(paths, epoch_seed) if shuffle else paths
+        # One file after the other: the same record order on every worker.
+        records = tf.data.Dataset.from_tensor_slices(order).flat_map(
+            lambda path: tf.data.TFRecordDataset(path, compression)
+        )
+        if not shuffle:
+            return records
+
+        def shuffled(block, values):
+            block_seed = tf.random.experimental.stateless_fold_in(epoch_seed, block)
+            return tf.data.Dataset.from_tensor_slices(
+                tf.random.experimental.stateless_shuffle(values, block_seed)
+            )
+
+        return records.batch(shuffle_buffer).enumerate().flat_map(shuffled)
+
+    epochs = tf.data.Dataset.range(first_epoch, tf.int64.max)
+    return epochs.flat_map(epoch_records).skip(offset)
+
+
 def worker_records(
     manifest: Manifest,
     data_dir: str,
@@ -365,12 +437,19 @@ def worker_records(
     equal_steps: Optional[bool],
     verify_checksums: bool,
     skip_corrupt: bool,
+    cursor: Optional[int] = None,
 ) -> tf.data.Dataset:
     """Serialized records for one worker: sharded, shuffled, cut to equal epochs, repeated.
 
     The part of the pipeline every record format shares; see `make_dataset`
     for the arguments. Returns a dataset of scalar tf.string records.
     """
+    if cursor is not None:
+        return _worker_records_from_cursor(
+            manifest, data_dir, split, shuffle=shuffle, seed=seed, repeat=repeat,
+            num_shards=num_shards, shard_index=shard_index, shuffle_buffer=shuffle_buffer,
+            verify_checksums=verify_checksums, skip_corrupt=skip_corrupt, cursor=cursor,
+        )
     shards = _split_shards(manifest, split, data_dir)
     compression = manifest.get("compression")
     # Every listed file must be there (any worker finding a hole reports it);
@@ -451,6 +530,23 @@ def worker_records(
     return dataset
 
 
+def _worker_records_from_cursor(manifest, data_dir, split, *, shuffle, seed, repeat, num_shards,
+                                shard_index, shuffle_buffer, verify_checksums, skip_corrupt, cursor):
+    """This worker's every `num_shards`-th record of `global_records` from `cursor`."""
+    if not repeat:
+        raise ValueError("`cursor` reads an endless stream of epochs. Received: repeat=False")
+    if skip_corrupt:
+        raise ValueError(
+            "`cursor` needs every worker to read the same records: it cannot leave out "
+            "corrupted shards. Received: skip_corrupt=True"
+        )
+    shards = _split_shards(manifest, split, data_dir)
+    _check_shard_files(data_dir, shards, verify_checksums, manifest.get("compression"))
+    records = global_records(manifest, data_dir, split, shuffle=shuffle, seed=seed,
+                             shuffle_buffer=shuffle_buffer, cursor=cursor)
+    return records.shard(num_shards, shard_index)
+
+
 def make_dataset(
     data_dir: str,
     split: str,
@@ -467,6 +563,7 @@ def make_dataset(
     verify_checksums: bool = False,
     equal_steps: Optional[bool] = None,
     skip_corrupt: bool = False,
+    cursor: Optional[int] = None,
 ) -> tf.data.Dataset:
     """Build the `(inputs, targets)` pipeline for one worker.
 
@@ -498,6 +595,12 @@ def make_dataset(
             `repeat` and every worker can make a batch, else False.
         skip_corrupt: bool. Check this worker's shards' checksums and leave
             out corrupted ones with a `CorruptShardWarning` instead of failing.
+        cursor: int or None. Read the global order (`global_records`) from
+            this position, every `num_shards`-th record from `shard_index`
+            on (elastic training); needs `repeat` and no `skip_corrupt`.
+            `equal_steps` does not apply (the stream is endless) and the
+            order is always deterministic. None: the per-worker sharding
+            above.
 
     Returns:
         tf.data.Dataset of `(inputs, targets)`, int32, each of shape
@@ -528,6 +631,7 @@ def make_dataset(
         equal_steps=equal_steps,
         verify_checksums=verify_checksums,
         skip_corrupt=skip_corrupt,
+        cursor=cursor,
     )
     record_length = manifest["record_length"]
     feature_name = manifest["feature"]
@@ -543,6 +647,7 @@ def make_dataset(
     dataset = dataset.map(
         split_inputs_and_targets,
         num_parallel_calls=tf.data.AUTOTUNE,
-        deterministic=deterministic,
+        # The global order's batches are its positions: never reordered.
+        deterministic=deterministic or cursor is not None,
     )
     return dataset.prefetch(tf.data.AUTOTUNE)

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,89 @@ def horovodrun(num_workers, *command, timeout=TIMEOUT_SECONDS, env=None):
     )
 
 
+
+# Two names of this machine: Horovod's elastic driver blacklists a failed
+# worker's host, and a host is all of its slots. One slot on each name lets
+# one worker be lost while the other goes on; both resolve to 127.0.0.1, so
+# the driver starts both workers locally (no ssh).
+ELASTIC_HOSTS = ("localhost", "127.0.0.1")
+# Seconds a failed host stays blacklisted before it may be listed again
+# (`--blacklist-cooldown-range`; 1 is the lowest Horovod allows).
+ELASTIC_COOLDOWN = (1, 1)
+
+
+def elastic_horovodrun(directory, *command, on_poll=None, timeout=TIMEOUT_SECONDS, env=None):
+    """Runs `python command...` under elastic `horovodrun --host-discovery-script`.
+
+    The discovery script prints `directory/hosts`, which starts with one
+    slot on each of `ELASTIC_HOSTS` (two workers); the driver reads it
+    every second. `on_poll(hosts, output)` is called twice a second while
+    the run lasts with the `ElasticHosts` (`drop`, `restore`) and the
+    output so far, in which the driver names a failed host ("blacklist
+    failing host: NAME", at `--log-level INFO`): the test's script of the
+    world size. Returns `(returncode, output)`; the group is killed on
+    timeout.
+    """
+    if not HOROVODRUN.exists():
+        pytest.fail(f"{HOROVODRUN} not found: run `make setup` to build Horovod")
+    directory = Path(directory)
+    hosts = ElasticHosts(directory / "hosts")
+    script = directory / "discover-hosts.sh"
+    script.write_text(f"#!/bin/sh\ncat {hosts.path}\n")
+    script.chmod(0o755)
+    environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    environment["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO)] + [p for p in environment.get("PYTHONPATH", "").split(os.pathsep) if p]
+    )
+    environment.update(env or {})
+    log = directory / "horovodrun.log"
+    with open(log, "w") as output:
+        process = subprocess.Popen(
+            [str(part) for part in [
+                HOROVODRUN, "-np", len(ELASTIC_HOSTS), "--min-np", 1,
+                "--max-np", len(ELASTIC_HOSTS), "--host-discovery-script", script,
+                "--network-interface", "lo", "--log-level", "INFO",
+                "--blacklist-cooldown-range", *ELASTIC_COOLDOWN, "--elastic-timeout", 120,
+                sys.executable, *command]],
+            stdout=output, stderr=subprocess.STDOUT, text=True, env=environment, cwd=REPO,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + timeout
+        try:
+            while process.poll() is None:
+                if time.monotonic() > deadline:
+                    os.killpg(process.pid, signal.SIGKILL)
+                    process.wait()
+                    pytest.fail(f"timed out after {timeout}s:\n{log.read_text()}")
+                if on_poll is not None:
+                    on_poll(hosts, log.read_text())
+                time.sleep(0.5)
+        finally:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+    return process.returncode, log.read_text()
+
+
+class ElasticHosts:
+    """The hosts an elastic run's discovery script lists (`elastic_horovodrun`), one slot each."""
+
+    def __init__(self, path):
+        self.path = path
+        self.listed = []
+        self.restore()
+
+    def _write(self, names):
+        self.path.write_text("".join(f"{name}:1\n" for name in names))
+        self.listed = list(names)
+
+    def drop(self, name):
+        """Lists every host but `name`: its slot is gone."""
+        self._write([host for host in ELASTIC_HOSTS if host != name])
+
+    def restore(self):
+        """Lists every host again."""
+        self._write(ELASTIC_HOSTS)
 
 
 def processes(commands, timeout=TIMEOUT_SECONDS):

@@ -128,6 +128,71 @@ def test_every_worker_runs_the_same_number_of_steps(dataset_directory, number_of
     assert len({frozenset(epoch.items()) for epoch in epochs}) > 1
 
 
+def read_in_lockstep(data_dir, phases, seed, shuffle_buffer=64):
+    """The records that workers reading from a global cursor consume, by stream position.
+
+    `phases` is a list of `(workers, steps)`: each phase starts every
+    worker's pipeline at the cursor the previous phases reached, as an
+    elastic run does after each change of world size, and its workers take
+    `BATCH_SIZE` records each per step. Worker r's j-th record of a step
+    that starts at position p is position p + j * W + r.
+    """
+    consumed, cursor = [], 0
+    for workers, steps in phases:
+        batches = [
+            rows(reader.make_dataset(data_dir, "train", BATCH_SIZE, seed=seed,
+                                     shuffle_buffer=shuffle_buffer, cursor=cursor,
+                                     num_shards=workers, shard_index=rank).take(steps))
+            for rank in range(workers)
+        ]
+        for step in range(steps):
+            for position in range(BATCH_SIZE * workers):
+                index, rank = divmod(position, workers)
+                consumed.append(batches[rank][step * BATCH_SIZE + index])
+        cursor += steps * BATCH_SIZE * workers
+    return consumed
+
+
+def test_a_world_size_going_2_1_2_reads_each_sequence_once_per_epoch(dataset_directory):
+    data_dir, manifest = dataset_directory["plain"]
+    everything = all_records(data_dir)
+    epoch = len(everything)
+    # 2 workers, then 1, then 2 again, past the end of the first epoch.
+    first, second = 11, 17
+    third = (epoch - BATCH_SIZE * (2 * first + second)) // (2 * BATCH_SIZE) + 4
+    consumed = read_in_lockstep(data_dir, [(2, first), (1, second), (2, third)], seed=4)
+    assert len(consumed) > epoch
+    # Oracle: one pipeline reading the whole global order from position 0.
+    stream = reader.global_records(manifest, data_dir, "train", shuffle=True, seed=4,
+                                   shuffle_buffer=64, cursor=0)
+    expected = [
+        tuple(tf.io.parse_single_example(
+            record, {"input_ids": tf.io.FixedLenFeature([SEQ_LEN + 1], tf.int64)}
+        )["input_ids"].numpy().tolist())
+        for record in stream.take(len(consumed))
+    ]
+    assert consumed == expected
+    # The first epoch is the split, each sequence once (a multiset: two
+    # records may hold the same tokens); the second is in another order.
+    assert sorted(consumed[:epoch]) == sorted(everything)
+    assert consumed[epoch:] != expected[: len(consumed) - epoch]
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(repeat=False), "endless stream of epochs. Received: repeat=False"),
+        (dict(skip_corrupt=True), "cannot leave out corrupted shards. Received: skip_corrupt=True"),
+        (dict(cursor=-1), "must be a non-negative int. Received: cursor=-1"),
+    ],
+)
+def test_cursor_refuses_what_would_break_the_global_order(dataset_directory, options, message):
+    data_dir, _ = dataset_directory["plain"]
+    options = dict(dict(cursor=0), **options)
+    with pytest.raises(ValueError, match=message):
+        reader.make_dataset(data_dir, "train", BATCH_SIZE, **options)
+
+
 CHECKPOINT_CASES = {
     "one_worker_shuffled": dict(num_shards=1, shard_index=0),
     "by_file": dict(num_shards=2, shard_index=1),

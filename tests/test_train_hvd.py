@@ -158,15 +158,19 @@ def _train_losses(run_dir):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("workers", [1, 2])
-def test_sigkill_and_resume_equals_an_uninterrupted_run(tiny_data, tmp_path, workers):
-    """2N steps in one go == N steps, SIGKILL, resume for N more: bitwise."""
+@pytest.mark.parametrize("workers, elastic", [(1, False), (2, False), (2, True)])
+def test_sigkill_and_resume_equals_an_uninterrupted_run(tiny_data, tmp_path, workers, elastic):
+    """2N steps in one go == N steps, SIGKILL, resume for N more: bitwise.
+
+    `elastic`: the `--elastic` run under plain horovodrun (no discovery
+    script), whose data position is its cursor in the global order.
+    """
     def command(run_dir, *extra):
         flags = [REPO / "train_hvd.py", "--data", tiny_data, "--out", run_dir,
                  "--steps", "12", "--save-every", "6", "--log-every", "2",
                  "--batch-size", "4", "--dropout", "0.1", "--eval-batches", "1",
                  "--peak-flops", "1e11", *TINY_MODEL, *extra]
-        return flags
+        return flags + (["--elastic", "--commit-every", "4"] if elastic else [])
 
     def launch(flags, env=None):
         if workers == 1:
@@ -175,12 +179,15 @@ def test_sigkill_and_resume_equals_an_uninterrupted_run(tiny_data, tmp_path, wor
 
     code, output = launch(command(tmp_path / "straight"))
     assert code == 0, output
+    assert elastic == ("warning: --elastic outside an elastic horovodrun" in output)
     code, output = launch(command(tmp_path / "killed"), env={"TFGPT_FAULT_KILL_AFTER_SAVE": "6"})
     assert code != 0 and not (tmp_path / "killed" / "ckpt-12.index").exists(), output
     assert (tmp_path / "killed" / "ckpt-6.index").exists()
     code, output = launch(command(tmp_path / "killed", "--resume"))
     assert code == 0, output
-    assert "resumed from" in output and "next unseen batch" in output
+    assert "resumed from" in output
+    assert ("at step 6, data position 48 of the global order" if elastic
+            else "next unseen batch") in output
 
     straight = _checkpoint_tensors(tmp_path / "straight" / "ckpt-12")
     resumed = _checkpoint_tensors(tmp_path / "killed" / "ckpt-12")

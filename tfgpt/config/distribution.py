@@ -11,6 +11,7 @@ does not import TensorFlow.
 import dataclasses
 import socket
 
+from tfgpt.config.checks import require_positive_int
 from tfgpt.config.training import ALLREDUCE_BUCKET_MB, require_non_negative_int, require_one_of
 
 STRATEGIES = ("default", "one-device", "mirrored", "multi-worker")
@@ -31,6 +32,19 @@ class HorovodOptions:
             1 the optimizer moments, 2 also the gradients, 3 also the
             parameters, gathered block by block when used; 0 keeps all of
             it on every worker (README, Models larger than one worker).
+        elastic: bool. Pretraining only: elastic training (`horovodrun
+            --min-np/--max-np --host-discovery-script`). When a worker is
+            lost the others go back to the last commit and go on without
+            it; a worker that joins receives the state from rank 0. Each
+            worker keeps --batch-size, so the global batch follows the
+            world size, and so does the learning rate with
+            --scale-learning-rate. The data is read in one global order
+            and repartitioned at every change, so each training sequence
+            of an epoch is used once (README, Elastic training).
+        commit_every: int. With --elastic, steps between commits: copies
+            of the whole training state and the data position in memory,
+            what a lost worker sends the others back to. Separate from
+            --save-every (checkpoints on disk).
     """
 
     CHOICES = {"zero_stage": ZERO_STAGES}
@@ -38,6 +52,8 @@ class HorovodOptions:
     fp16_allreduce: bool = False
     allreduce_bucket_mb: float = ALLREDUCE_BUCKET_MB
     zero_stage: int = 0
+    elastic: bool = False
+    commit_every: int = 10
 
     def __post_init__(self):
         if not self.allreduce_bucket_mb >= 0:
@@ -46,6 +62,12 @@ class HorovodOptions:
                 f"Received: allreduce_bucket_mb={self.allreduce_bucket_mb!r}"
             )
         require_one_of("zero_stage", self.zero_stage, ZERO_STAGES)
+        require_positive_int("commit_every", self.commit_every)
+        if self.elastic and self.zero_stage:
+            raise ValueError(
+                f"--elastic cannot re-shard --zero-stage {self.zero_stage} state when "
+                "workers come and go: use --zero-stage 0 with --elastic"
+            )
 
 
 @dataclasses.dataclass

@@ -123,15 +123,26 @@ class HorovodDistribution(LocalDistribution):
             ) from error
         self._hvd = hvd
         hvd.init()
+        self.read_world()
+        self._compression = (
+            hvd.Compression.fp16 if compression == "fp16" else hvd.Compression.none
+        )
+
+    def read_world(self):
+        """Takes this worker's rank and the world's size from Horovod.
+
+        At start, and again after an elastic run re-formed (workers lost
+        or added): every traced step that used the old size must then be
+        traced again (`allreduce_gradients` leaves one worker's gradients
+        as they are; the learning rate may scale with the size).
+        """
+        hvd = self._hvd
         self.rank = hvd.rank()
         self.size = hvd.size()
         self.num_workers = self.size
         self.local_rank = hvd.local_rank()
         self.local_size = hvd.local_size()
         self.is_chief = self.rank == 0
-        self._compression = (
-            hvd.Compression.fp16 if compression == "fp16" else hvd.Compression.none
-        )
 
     @classmethod
     def create(cls, options=None, config=None):

@@ -69,6 +69,11 @@ def finetune(config, model_overrides=None, distribution=None):
         from tfgpt.distributed.local import LocalDistribution
 
         distribution = LocalDistribution()
+    if getattr(distribution.options, "elastic", False):
+        raise ValueError(
+            "--elastic is for pretraining (train_hvd.py): fine-tuning runs on a fixed set "
+            "of workers"
+        )
     model_overrides = dict(model_overrides or {})
     out = config.out
 

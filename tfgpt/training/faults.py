@@ -7,6 +7,14 @@
   straggler rule; `TrainStep`).
 - `GROW_MIB` = "RANK:MIB": that rank keeps MIB more memory after every
   step (the monitor's memory-growth rule; `loop.run_loop`).
+- `KILL_AT_STEP` = "RANK:STEP": the worker of that rank SIGKILLs itself
+  as it starts step STEP (a worker lost mid-run; `starting_step`), unless
+  its process started that step before: an elastic run's survivor that
+  became RANK redoes the step and lives.
+- `RECORD_LOG` = "DIR": each worker of an elastic run appends one line per
+  step to DIR/records-PID.txt: the formation, the step, the world size,
+  its rank and `fingerprint` of each sequence of its batch
+  (`tfgpt.training.elastic`; which sequences each step used).
 
 Example:
 >>> import os
@@ -16,16 +24,31 @@ Example:
 >>> del os.environ[SLOW_COMPUTE]
 """
 
+import hashlib
 import os
+import signal
 
 KILL_AFTER_SAVE = "TFGPT_FAULT_KILL_AFTER_SAVE"
 SLOW_COMPUTE = "TFGPT_FAULT_SLOW_COMPUTE"
 GROW_MIB = "TFGPT_FAULT_GROW_MIB"
+KILL_AT_STEP = "TFGPT_FAULT_KILL_AT_STEP"
+RECORD_LOG = "TFGPT_DEBUG_RECORD_LOG"
 
 
 def kill_after_save():
     """The step after whose checkpoint to die, or -1."""
     return int(os.environ.get(KILL_AFTER_SAVE, "-1"))
+
+
+# The steps this process has started (`starting_step`).
+_started_steps = set()
+
+
+def starting_step(rank, step):
+    """Called as each step starts: dies as `KILL_AT_STEP` says."""
+    if for_rank(KILL_AT_STEP, rank) == step and step not in _started_steps:
+        os.kill(os.getpid(), signal.SIGKILL)
+    _started_steps.add(step)
 
 
 def for_rank(name, rank):
@@ -35,3 +58,8 @@ def for_rank(name, rank):
         return 0.0
     target, value = spec.split(":")
     return float(value) if int(target) == rank else 0.0
+
+
+def fingerprint(tokens):
+    """A short hex digest of one sequence's token ids (`RECORD_LOG`)."""
+    return hashlib.sha1(",".join(str(int(token)) for token in tokens).encode()).hexdigest()[:16]

@@ -187,11 +187,13 @@ def _seed_generator_states(model):
     return [v.value for v in model.variables if "seed_generator_state" in v.path]
 
 
-def make_checkpointer(config, distribution, model, optimizer, step, zero=None):
+def make_checkpointer(config, distribution, model, optimizer, step, zero=None, data_cursor=None):
     """The chief saves model, optimizer, step and dropout state in `config.out`.
 
-    Under ZeRO every rank writes its shards beside the chief's replicated
-    state (`tfgpt.training.sharded_checkpoint`). A whole-state run resumes
+    `data_cursor`: an elastic run's position in the global record order
+    (`tfgpt.training.elastic`), saved beside them when given. Under ZeRO
+    every rank writes its shards beside the chief's replicated state
+    (`tfgpt.training.sharded_checkpoint`). A whole-state run resumes
     from either kind of checkpoint.
     """
     from tfgpt.training import sharded_checkpoint
@@ -220,6 +222,7 @@ def make_checkpointer(config, distribution, model, optimizer, step, zero=None):
         optimizer=optimizer,
         step=step,
         rng=rng,
+        **({"data_cursor": data_cursor} if data_cursor is not None else {}),
     )
 
 
@@ -234,7 +237,7 @@ def run_record(config, distribution):
 
 def run_loop(config, distribution, report, *, model, optimizer, step, train_step, batches,
              checkpointer, steps, global_batch, sequence_length, data_checkpointer=None,
-             perplexity=False):
+             perplexity=False, after_step=None):
     """Runs steps `step + 1` to `steps`, logging and saving; returns the last logged metrics.
 
     Every `log_every` steps (and at step 1 and the last), the loss and the
@@ -258,6 +261,9 @@ def run_loop(config, distribution, report, *, model, optimizer, step, train_step
         data_checkpointer: a `Checkpointer` of this worker's data position,
             saved before the model, or None.
         perplexity: bool. Log exp(loss) (language-model losses).
+        after_step: callable `(step)` run after each step, before its
+            logging and saving (an elastic run's data position and
+            commits), or None.
     """
 
     def save(at_step, last_loss):
@@ -308,6 +314,7 @@ def run_loop(config, distribution, report, *, model, optimizer, step, train_step
         config.profile_range(), os.path.join(config.out, "profile"), distribution.is_chief
     )
     for current in range(start, steps):
+        faults.starting_step(distribution.rank, current + 1)  # fault injection (tests)
         profiler.before(current + 1)
         waited = time.perf_counter()
         batch = next(batches)
@@ -316,6 +323,8 @@ def run_loop(config, distribution, report, *, model, optimizer, step, train_step
         step_times = step_metrics.pop(STEP_TIMES, None)
         clock.add_step_times(step_times)
         step.assign(current + 1)
+        if after_step is not None:
+            after_step(current + 1)
         if grow_mib:
             kept.append(b"\1" * int(grow_mib * 2**20))  # bytes written: resident
         if profiler.after(current + 1, step_metrics, current + 1 == steps):

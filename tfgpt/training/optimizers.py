@@ -24,6 +24,16 @@ def learning_rate_schedule(config, num_workers=1, steps=None):
     )
 
 
+def set_worker_count(optimizer, config, num_workers, steps=None):
+    """Gives `optimizer` the schedule of `num_workers` workers and returns
+    it (an elastic run's world size changed). Steps traced with the old
+    schedule must be traced again."""
+    schedule = learning_rate_schedule(config, num_workers, steps)
+    inner = getattr(optimizer, "inner_optimizer", optimizer)  # under float16's loss scaling
+    inner.learning_rate = schedule
+    return schedule
+
+
 def make_optimizer(config, num_workers=1, steps=None):
     """Returns the optimizer for `config`, wrapped for loss scaling under float16.
 

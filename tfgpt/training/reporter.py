@@ -21,14 +21,20 @@ class Reporter:
     """
 
     def __init__(self, out_dir, is_chief, stream=None):
-        self.is_chief = is_chief
+        self.out_dir = out_dir
         self.stream = stream
+        self.is_chief = False
         self._writer = None
         self._jsonl = None
-        if is_chief:
-            os.makedirs(out_dir, exist_ok=True)
-            self._writer = tf.summary.create_file_writer(os.path.join(out_dir, "tensorboard"))
-            self._jsonl = open(os.path.join(out_dir, "metrics.jsonl"), "a", buffering=1)
+        self.set_chief(is_chief)
+
+    def set_chief(self, is_chief):
+        """Starts writing when this worker becomes the chief (an elastic run lost rank 0)."""
+        if is_chief and self._jsonl is None:
+            os.makedirs(self.out_dir, exist_ok=True)
+            self._writer = tf.summary.create_file_writer(os.path.join(self.out_dir, "tensorboard"))
+            self._jsonl = open(os.path.join(self.out_dir, "metrics.jsonl"), "a", buffering=1)
+        self.is_chief = is_chief
 
     def info(self, message):
         if self.is_chief:

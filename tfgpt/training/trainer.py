@@ -17,6 +17,7 @@ import tensorflow as tf
 from pipelines import reader
 from tfgpt.config import FAMILIES, family_of_preset
 from tfgpt.layers.transformer_block import set_recompute
+from tfgpt.training import elastic as elastic_training
 from tfgpt.training import loop, objectives
 from tfgpt.training.checkpointing import Checkpointer, read_config
 from tfgpt.training.loop import TrainingDiverged
@@ -150,6 +151,9 @@ def train(train_config, model_overrides, distribution):
     manifest = reader.load_manifest(train_config.data)
     family = family_of_preset(train_config.preset).name
     task = objectives.make_task(FAMILIES[family].resolve_task(train_config.task), family)
+    elastic = getattr(distribution.options, "elastic", False)
+    if elastic:
+        elastic_training.check_config(train_config, task.name)
     data_format = manifest.get("format", reader.PACKED_FORMAT)
     if data_format != task.data_format:
         hint = " (prepare it with --format encoder)" if task.name != "clm" else ""
@@ -159,12 +163,16 @@ def train(train_config, model_overrides, distribution):
         )
     tokenizer_file = manifest["tokenizer"].get("model_file")
     tokenizer_path = os.path.join(train_config.data, tokenizer_file) if tokenizer_file else None
-    has_checkpoint = loop.existing_checkpoints(train_config)
+    # An elastic job's worker started mid-run takes the job's own checkpoints
+    # (and receives its state from rank 0).
+    joining = elastic and elastic_training.joins_running_job(out)
+    has_checkpoint = joining or loop.existing_checkpoints(train_config)
     saved = read_config(out)["model"] if has_checkpoint else None
     model_config = resolve_model_config(
         train_config, model_overrides, manifest, family, saved=saved
     )
-    _check_batch_sizes(train_config, manifest, distribution)
+    if not elastic:  # the global order is endless: any batch size fits
+        _check_batch_sizes(train_config, manifest, distribution)
     report = Reporter(out, distribution.is_chief)
     sequence_length = manifest["seq_len"]
     global_batch = train_config.batch_size * train_config.accumulation_steps * distribution.size
@@ -192,19 +200,21 @@ def train(train_config, model_overrides, distribution):
         raise ValueError(
             f"--recompute recomputes transformer blocks; --preset {train_config.preset} has none"
         )
-    train_step = TrainStep(
-        model,
-        optimizer,
-        distribution,
-        loss_fn=task.loss,
-        xla=train_config.xla,
-        accumulation_steps=train_config.accumulation_steps,
-        towers=towers,
-        zero=zero,
-    )
+    def build_train_step():
+        return TrainStep(
+            model,
+            optimizer,
+            distribution,
+            loss_fn=task.loss,
+            xla=train_config.xla,
+            accumulation_steps=train_config.accumulation_steps,
+            towers=towers,
+            zero=zero,
+        )
 
-    # Data: each worker reads its own part, in an order fixed by the seed.
-    def train_batches(seed, skip=0):
+    # Data: each worker reads its own part, in an order fixed by the seed
+    # (elastic: its share of the global order from `cursor` on).
+    def train_batches(seed, skip=0, cursor=None):
         def dataset_fn(input_context):
             dataset = task.dataset(
                 train_config.data,
@@ -215,6 +225,7 @@ def train(train_config, model_overrides, distribution):
                 input_context=input_context,
                 deterministic=True,
                 skip_corrupt=train_config.skip_corrupt,
+                **({} if cursor is None else {"cursor": cursor}),
             )
             if train_config.accumulation_steps > 1:
                 dataset = dataset.batch(train_config.accumulation_steps, drop_remainder=True)
@@ -222,6 +233,25 @@ def train(train_config, model_overrides, distribution):
 
         return iter(distribution.distribute_dataset(dataset_fn))
 
+    run_files = {
+        "family": family,
+        "task": task.name,
+        "model": dataclasses.asdict(model_config),
+        "train": loop.run_record(train_config, distribution),
+        "data": {"seq_len": sequence_length, "directory": os.path.abspath(train_config.data)},
+        "workers": distribution.num_workers,
+        "replicas": distribution.size,
+    }
+    if elastic:
+        metrics = _train_elastic(
+            train_config, distribution, report, model=model, optimizer=optimizer, step=step,
+            joining=joining, build_train_step=build_train_step, train_batches=train_batches,
+            run_files=run_files, tokenizer_path=tokenizer_path, sequence_length=sequence_length,
+        )
+        return _validate(task, train_config, distribution, report, model, zero, model_config,
+                         metrics, int(step.numpy()))
+
+    train_step = build_train_step()
     iterator = train_batches(train_config.seed)
     # A plain tf.data iterator checkpoints its position (O(1) to restore);
     # tf.distribute's distributed iterators cannot, so those runs replay the
@@ -256,18 +286,7 @@ def train(train_config, model_overrides, distribution):
         if iterator_checkpointable
         else None
     )
-    checkpointer.write_run_files(
-        {
-            "family": family,
-            "task": task.name,
-            "model": dataclasses.asdict(model_config),
-            "train": loop.run_record(train_config, distribution),
-            "data": {"seq_len": sequence_length, "directory": os.path.abspath(train_config.data)},
-            "workers": distribution.num_workers,
-            "replicas": distribution.size,
-        },
-        tokenizer_path=tokenizer_path,
-    )
+    checkpointer.write_run_files(run_files, tokenizer_path=tokenizer_path)
     # Keras 3 creates the optimizer's slots in build(), so rank 0's full
     # state can be broadcast before the first step (Horovod's TF1-era
     # examples had to wait until after it for the slots to exist).
@@ -294,7 +313,13 @@ def train(train_config, model_overrides, distribution):
     loop.release_in_background(iterator, data_checkpointer)
     del iterator, data_checkpointer
 
-    # Validation.
+    return _validate(task, train_config, distribution, report, model, zero, model_config,
+                     metrics, int(step.numpy()))
+
+
+def _validate(task, train_config, distribution, report, model, zero, model_config, metrics,
+              at_step):
+    """Validation after training: logs it and returns `(model, metrics)` with its results."""
     validation = task.dataset(
         train_config.data,
         "val",
@@ -315,7 +340,7 @@ def train(train_config, model_overrides, distribution):
     )
     metrics.update({f"val_{name}" if name != "unigram_entropy" else name: value
                     for name, value in results.items()})
-    report.scalars(int(step.numpy()), results, prefix="val")
+    report.scalars(at_step, results, prefix="val")
     line = (f"validation loss {results['loss']:.4f} nats/token "
             f"(perplexity {math.exp(min(results['loss'], 50.0)):.1f})")
     if "unigram_entropy" in results:
@@ -326,3 +351,47 @@ def train(train_config, model_overrides, distribution):
     report.info(line)
     report.close()
     return model, metrics
+
+
+def _train_elastic(train_config, distribution, report, *, model, optimizer, step, joining,
+                   build_train_step, train_batches, run_files, tokenizer_path, sequence_length):
+    """Checkpoints and loop of an elastic run (`tfgpt.training.elastic`); returns the last metrics.
+
+    The chief resumes from disk (`--resume`) and writes the run files
+    naming the job; the first formation's sync gives every worker its
+    state, and a worker that joins later gets it the same way.
+    """
+    if elastic_training.job() is None:
+        report.info("warning: --elastic outside an elastic horovodrun (--host-discovery-script): "
+                    "a lost worker ends the run and none can join")
+    data_cursor = tf.Variable(0, dtype=tf.int64, trainable=False, name="data_cursor")
+
+    def build_checkpointer():
+        return loop.make_checkpointer(train_config, distribution, model, optimizer, step,
+                                      data_cursor=data_cursor)
+
+    checkpointer = build_checkpointer()
+    checkpointers = [checkpointer]
+
+    def formation_checkpointer():
+        # A new one only for a new chief (rank 0 lost): the chief's keeps its save count.
+        if checkpointers[-1].is_chief != distribution.is_chief:
+            checkpointers.append(build_checkpointer())
+        return checkpointers[-1]
+
+    if train_config.resume and checkpointer.latest and not joining:
+        elastic_training.check_resumable(checkpointer.latest)
+        checkpointer.restore_latest()
+        report.info(f"resumed from {checkpointer.latest} at step {int(step.numpy())}, data "
+                    f"position {int(data_cursor.numpy())} of the global order")
+    if not joining:
+        run_files = dict(run_files, **{elastic_training.JOB_KEY: elastic_training.job()})
+        checkpointer.write_run_files(run_files, tokenizer_path=tokenizer_path)
+    return elastic_training.run_formations(
+        train_config, distribution.options, distribution, report, model=model,
+        optimizer=optimizer, step=step, data_cursor=data_cursor,
+        build_train_step=build_train_step,
+        build_batches=lambda cursor: batches_naming_bad_shards(
+            train_batches(train_config.seed, cursor=cursor), train_config.data, "train"),
+        build_checkpointer=formation_checkpointer, sequence_length=sequence_length,
+    )
