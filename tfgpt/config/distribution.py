@@ -11,6 +11,7 @@ does not import TensorFlow.
 import dataclasses
 import socket
 
+from tfgpt.config.checks import require_positive_int
 from tfgpt.config.training import ALLREDUCE_BUCKET_MB, require_non_negative_int, require_one_of
 
 STRATEGIES = ("default", "one-device", "mirrored", "multi-worker")
@@ -31,6 +32,12 @@ class HorovodOptions:
             1 the optimizer moments, 2 also the gradients, 3 also the
             parameters, gathered block by block when used; 0 keeps all of
             it on every worker (README, Models larger than one worker).
+        tensor_parallel: int. Split each GPT block's attention heads and
+            feed-forward width, and the vocabulary, over this many
+            consecutive ranks (Megatron-LM's tensor parallelism); the
+            ranks form N / T data-parallel replicas. Must divide the ranks,
+            the heads, the intermediate size and the vocabulary (round
+            --vocabulary-size up to a multiple); 1 keeps every block whole.
     """
 
     CHOICES = {"zero_stage": ZERO_STAGES}
@@ -38,6 +45,7 @@ class HorovodOptions:
     fp16_allreduce: bool = False
     allreduce_bucket_mb: float = ALLREDUCE_BUCKET_MB
     zero_stage: int = 0
+    tensor_parallel: int = 1
 
     def __post_init__(self):
         if not self.allreduce_bucket_mb >= 0:
@@ -46,6 +54,7 @@ class HorovodOptions:
                 f"Received: allreduce_bucket_mb={self.allreduce_bucket_mb!r}"
             )
         require_one_of("zero_stage", self.zero_stage, ZERO_STAGES)
+        require_positive_int("tensor_parallel", self.tensor_parallel)
 
 
 @dataclasses.dataclass

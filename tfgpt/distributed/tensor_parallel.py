@@ -38,6 +38,8 @@ Example (under `horovodrun -np 2`):
 
 import contextlib
 
+import keras
+import numpy as np
 import tensorflow as tf
 
 # The slice the layers built now take; None builds whole layers.
@@ -77,6 +79,75 @@ def split_rows(total, size, index, what="size"):
         )
     count = total // size
     return index * count, count
+
+
+def take_slice(whole, rule, size, index):
+    """Slice `index` of `size` of the array `whole` (NumPy) under `rule`.
+
+    Args:
+        whole: array of the unsplit variable.
+        rule: `(axis, groups)`: `axis` is cut; it holds `groups` equal
+            parts (3 for the fused query/key/value: queries, keys,
+            values), each cut in `size` and the slice's parts kept in order.
+        size: int. T.
+        index: int. Which slice.
+
+    Example:
+    >>> take_slice(np.arange(12).reshape(2, 6), (1, 3), 2, 1)
+    array([[ 1,  3,  5],
+           [ 7,  9, 11]])
+    """
+    whole = np.asarray(whole)
+    axis, groups = rule
+    axis %= whole.ndim
+    shape = whole.shape
+    grouped = whole.reshape(shape[:axis] + (groups, shape[axis] // groups) + shape[axis + 1:])
+    width = shape[axis] // groups // size
+    part = np.take(grouped, np.arange(index * width, (index + 1) * width), axis=axis + 1)
+    return part.reshape(shape[:axis] + (groups * width,) + shape[axis + 1:])
+
+
+def join_slices(slices, rule):
+    """The whole array from its `len(slices)` slices (`take_slice`'s inverse)."""
+    slices = [np.asarray(part) for part in slices]
+    axis, groups = rule
+    axis %= slices[0].ndim
+    shape = slices[0].shape
+    grouped = [part.reshape(shape[:axis] + (groups, shape[axis] // groups) + shape[axis + 1:])
+               for part in slices]
+    whole = np.concatenate(grouped, axis=axis + 1)
+    return whole.reshape(shape[:axis] + (shape[axis] * len(slices),) + shape[axis + 1:])
+
+
+def sliced_initializer(initializer, tensor_slice, whole_shape, rule):
+    """An initializer of this slice's part of what `initializer` gives the whole variable.
+
+    The whole variable is drawn and cut, so a model built in slices starts
+    from the slices of the unsplit model built from the same seed.
+    """
+    initializer = keras.initializers.get(initializer)
+
+    def initialize(shape, dtype=None):
+        whole = initializer(whole_shape, dtype=dtype)
+        return take_slice(whole, rule, tensor_slice.size, tensor_slice.index)
+
+    return initialize
+
+
+def mark_split(layer, **rules):
+    """Records on `layer` which of its weights are split, by attribute name: `rule`s."""
+    layer.tensor_split = rules
+
+
+def split_rules(model):
+    """`{id(variable): rule}` of the split variables of a model built in slices."""
+    rules = {}
+    for layer in model._flatten_layers():
+        for name, rule in getattr(layer, "tensor_split", {}).items():
+            variable = getattr(layer, name, None)
+            if variable is not None:
+                rules[id(variable)] = rule
+    return rules
 
 
 class TensorSlice:
@@ -151,6 +222,18 @@ class TensorSlice:
         rows = tf.gather(table, tf.where(inside, local, 0))  # (B, T, C)
         rows = rows * tf.cast(inside, rows.dtype)[..., tf.newaxis]  # (B, T, C)
         return self.reduce_from_group(rows)
+
+    def global_norm(self, gradients, split):
+        """The global norm of the whole model's gradients, on every rank of the group.
+
+        `split[i]` tells whether `gradients[i]` is a slice (its squares are
+        summed over the group) or replicated (the same on every rank:
+        counted once).
+        """
+        squares = [tf.reduce_sum(tf.square(tf.cast(g, tf.float32))) for g in gradients]
+        sliced = tf.add_n([s for s, is_split in zip(squares, split) if is_split] or [0.0])
+        replicated = tf.add_n([s for s, is_split in zip(squares, split) if not is_split] or [0.0])
+        return tf.sqrt(self.sum(sliced) + replicated)
 
     def seed_dropout(self, dropout):
         """Gives `dropout` (a split region's) this slice's own random stream."""
