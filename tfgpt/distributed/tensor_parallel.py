@@ -150,6 +150,58 @@ def split_rules(model):
     return rules
 
 
+def check_run(tensor, family, model_config, config, zero_stage=0):
+    """Raises a ValueError naming the first thing of a run that `--tensor-parallel` cannot split.
+
+    Args:
+        tensor: int. T (1: nothing to check).
+        family: str. The model family (`gpt`, `bert`, `albert`).
+        model_config: the resolved model config.
+        config: the run config (`TrainConfig`).
+        zero_stage: int. The run's `--zero-stage`.
+    """
+    if tensor == 1:
+        return
+    if family != "gpt":
+        raise ValueError(
+            f"--tensor-parallel {tensor} splits GPT models only; --preset {config.preset} is "
+            f"a {family} model (its bidirectional attention, embeddings and heads are not split)"
+        )
+    for name in ("num_heads", "intermediate_dim"):
+        split_rows(getattr(model_config, name), tensor, 0, name)
+    if model_config.vocabulary_size % tensor:
+        padded = -(-model_config.vocabulary_size // tensor) * tensor
+        raise ValueError(
+            f"--tensor-parallel {tensor} must divide `vocabulary_size`. Received: "
+            f"vocabulary_size={model_config.vocabulary_size}, tensor_parallel={tensor}; pad "
+            f"it with --vocabulary-size {padded} (ids the tokenizer never emits)"
+        )
+    unsupported = {
+        "--xla": config.xla,  # Horovod collectives cannot run in an XLA cluster
+        f"--zero-stage {zero_stage}": zero_stage,
+        "--recompute": config.recompute,
+        "--optimizer lamb": config.optimizer == "lamb",  # per-variable norms of slices
+        "--mixed-precision float16": config.mixed_precision == "float16",
+    }
+    for flag, given in unsupported.items():
+        if given:
+            raise ValueError(f"--tensor-parallel {tensor} does not combine with {flag} yet")
+
+
+def split_seed_states(model):
+    """The seed states of the dropouts in split regions (each slice offsets its own)."""
+    return [layer.seed_generator.state for layer in model._flatten_layers()
+            if getattr(layer, "split_region", False)]
+
+
+def whole_parameters(model):
+    """Parameters of the whole model, from one slice of it (`T` x each split variable)."""
+    rules = split_rules(model)
+    size = model.tensor_slice.size if model.tensor_slice else 1
+    return sum(int(np.prod(v.shape)) * (size if id(v) in rules else 1)
+               for v in model.trainable_variables)
+
+
 class TensorSlice:
     """This rank's place in its tensor group, and the collectives over the group.
 
@@ -237,9 +289,12 @@ class TensorSlice:
 
     def seed_dropout(self, dropout):
         """Gives `dropout` (a split region's) this slice's own random stream."""
-        state = dropout.seed_generator.state
-        offset = tf.constant([self.index * _SEED_STRIDE, 0], dtype=state.dtype)
-        state.assign(state.value + offset)
+        dropout.split_region = True  # split_seed_states finds it
+        self.offset_seed(dropout.seed_generator.state)
+
+    def offset_seed(self, state):
+        """Offsets a dropout's seed state (a [seed, counter] variable) by this slice's index."""
+        state.assign(state.value + tf.constant([self.index * _SEED_STRIDE, 0], state.dtype))
 
     def cross_entropy(self, targets, logits):
         """Per-token cross-entropy (B, T) from this slice's logits (B, T, V/T), float32.
