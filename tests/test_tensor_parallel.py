@@ -8,12 +8,11 @@ same global batches).
 """
 
 import itertools
-import sys
 
 import numpy as np
 import pytest
 
-from tests.launch import REPO, horovodrun, run
+from tests.launch import REPO, horovodrun, run_and_load
 from tfgpt.distributed.layout import ParallelLayout
 
 OPERATORS_SCRIPT = REPO / "tests" / "hvd_scripts" / "tensor_parallel_check.py"
@@ -104,12 +103,7 @@ TRAIN_SCRIPT = REPO / "tests" / "hvd_scripts" / "tensor_parallel_train.py"
 
 
 def _train(tmp_path, tag, ranks, *flags):
-    if ranks == 0:
-        code, output = run([sys.executable, TRAIN_SCRIPT, tmp_path, tag, "--global", *flags])
-    else:
-        code, output = horovodrun(ranks, TRAIN_SCRIPT, tmp_path, tag, *flags)
-    assert code == 0, output
-    return [np.load(tmp_path / f"{tag}-rank-{rank}.npz") for rank in range(max(ranks, 1))]
+    return run_and_load(TRAIN_SCRIPT, tmp_path, tag, ranks, *flags)
 
 
 def _count(result):

@@ -34,10 +34,11 @@ class HorovodOptions:
             it on every worker (README, Models larger than one worker).
         tensor_parallel: int. Split each GPT block's attention heads and
             feed-forward width, and the vocabulary, over this many
-            consecutive ranks (Megatron-LM's tensor parallelism); the
-            ranks form N / T data-parallel replicas. Must divide the ranks,
-            the heads, the intermediate size and the vocabulary (round
-            --vocabulary-size up to a multiple); 1 keeps every block whole.
+            consecutive ranks (Megatron-LM's tensor parallelism; GPT
+            only); the other factor of the ranks is data parallelism. Must
+            divide the ranks, the heads, the intermediate size and the
+            vocabulary (round --vocabulary-size up to a multiple); 1 keeps
+            every block whole (README, Tensor parallelism).
     """
 
     CHOICES = {"zero_stage": ZERO_STAGES}

@@ -195,11 +195,13 @@ def split_seed_states(model):
 
 
 def whole_parameters(model):
-    """Parameters of the whole model, from one slice of it (`T` x each split variable)."""
+    """`model.count_params()` of the whole model, from one slice of it (T x each split variable)."""
+    tensor_slice = getattr(model, "tensor_slice", None)
+    if tensor_slice is None:
+        return model.count_params()
     rules = split_rules(model)
-    size = model.tensor_slice.size if model.tensor_slice else 1
-    return sum(int(np.prod(v.shape)) * (size if id(v) in rules else 1)
-               for v in model.trainable_variables)
+    split = sum(int(np.prod(v.shape)) for v in model.trainable_variables if id(v) in rules)
+    return model.count_params() + (tensor_slice.size - 1) * split
 
 
 class TensorSlice:
