@@ -179,6 +179,12 @@ def test_a_layout_merged_and_split_resumes_on_another_with_the_same_losses(tiny_
         for at_step in (8, 10, 12):
             assert losses[at_step] == pytest.approx(expected[at_step], abs=1e-5), (other, at_step)
 
+    with pytest.raises(ValueError, match="is an ordinary checkpoint already: nothing to merge"):
+        tensor_checkpoint.merge(str(tmp_path / "merged"), str(tmp_path / "again"))
+    with pytest.raises(ValueError, match=r"was written by --tensor-parallel 2; this run is "
+                                         r"whole: convert it first with .* merge RUN OUT"):
+        tensor_checkpoint.split(str(tmp_path / "straight"), str(tmp_path / "again"), 2)
+
     # The loader reads a tensor-parallel run whole: the same weights as its merge.
     whole, _ = load_model(str(tmp_path / "straight"))
     tensor_checkpoint.merge(str(tmp_path / "straight"), str(tmp_path / "straight-merged"))

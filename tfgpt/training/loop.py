@@ -72,16 +72,14 @@ def release_in_background(*objects):
 def kernel_summary(config, distribution, model):
     """The start-up line naming the fused CPU kernels this run's steps use, and why not the others."""
     backbone = getattr(model, "backbone", model)  # fine-tuning: a head on a backbone
-    line = kernels.summary(
+    return kernels.summary(
         "float32" if config.mixed_precision == "off" else config.mixed_precision,
         xla=config.xla,
         dropout=backbone.config.dropout,
         masked=not isinstance(backbone, GPT),  # encoders pass a padding mask
         strategy=hasattr(distribution, "strategy"),
+        tensor_parallel=distribution.tensor_slice is not None,
     )
-    if distribution.tensor_slice is not None:
-        line += " (not cross_entropy: the vocabulary-parallel loss runs plain ops)"
-    return line
 
 
 def warmup_warning(config, steps):

@@ -242,7 +242,7 @@ def merge(directory, out):
     step = step_of(path)
     size = slice_count(directory, step)
     if size is None:
-        raise split_elsewhere_error(path, None, 2)
+        raise ValueError(f"{path} is an ordinary checkpoint already: nothing to merge")
     # Slice 0's dropout states are the whole model's (the others' split
     # dropouts are offset from them).
     slices = _slices(directory, step, size, family, model_config, train_config)
