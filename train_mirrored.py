@@ -23,7 +23,7 @@ def main(argv=None):
     # Distribute: replicas from the strategy, variables mirrored on them.
     # Distribute: workers on one machine split its CPU cores, as Horovod's ranks do.
     # Data, model, optimizer, loop, save (and a fine-tuning's evaluation): the shared core.
-    return COMMAND.run(config, model_overrides, Distribution.create(options, config))
+    return COMMAND.run(config, model_overrides, lambda: Distribution.create(options, config))
 
 
 if __name__ == "__main__":

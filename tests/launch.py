@@ -170,6 +170,22 @@ def processes(commands, timeout=TIMEOUT_SECONDS):
     return [(process.returncode, output) for process, output in zip(started, outputs)]
 
 
+def run_and_load(script, directory, tag, ranks, *flags):
+    """Runs a `tests/hvd_scripts` script that writes DIRECTORY/TAG-rank-R.npz.
+
+    Under `horovodrun -np ranks`, or alone with `--global` (the one-process
+    oracle) when `ranks` is 0. Returns the loaded files, in rank order.
+    """
+    import numpy as np
+
+    if ranks == 0:
+        code, output = run([sys.executable, script, directory, tag, "--global", *flags])
+    else:
+        code, output = horovodrun(ranks, script, directory, tag, *flags)
+    assert code == 0, output
+    return [np.load(directory / f"{tag}-rank-{rank}.npz") for rank in range(max(ranks, 1))]
+
+
 def multi_worker(count, *command, timeout=TIMEOUT_SECONDS):
     """Runs `python command...` as `count` MultiWorkerMirrored workers on localhost.
 

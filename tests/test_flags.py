@@ -216,7 +216,8 @@ REQUIRED = {"train": ["--data", "d"], "finetune": ["--train-file", "t", "--init"
 
 @pytest.mark.parametrize("script", ["train_mirrored", "finetune_mirrored"])
 @pytest.mark.parametrize(
-    "flag", [["--fp16-allreduce"], ["--allreduce-bucket-mb", "0"], ["--zero-stage", "2"]]
+    "flag", [["--fp16-allreduce"], ["--allreduce-bucket-mb", "0"], ["--zero-stage", "2"],
+             ["--tensor-parallel", "2"]]
 )
 def test_horovod_flags_are_refused_by_the_mirrored_front_ends_naming_theirs(
     script, flag, capsys

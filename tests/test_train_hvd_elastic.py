@@ -168,14 +168,17 @@ def test_a_worker_lost_and_added_back_mid_run(tiny_data, tmp_path):
     json.loads((elastic / "run" / "config.json").read_text())
 
 
-def test_elastic_refuses_zero_stages_in_one_line(tmp_path):
+@pytest.mark.parametrize("flags, message", [
+    (["--zero-stage", "2"], "--elastic cannot re-shard --zero-stage 2 state when workers "
+                            "come and go: use --zero-stage 0 with --elastic"),
+    (["--tensor-parallel", "2"], "--elastic cannot re-split --tensor-parallel 2 slices when "
+                                 "workers come and go: use --tensor-parallel 1 with --elastic"),
+])
+def test_elastic_refuses_sharded_layouts_in_one_line(tmp_path, flags, message):
     code, output = run([sys.executable, REPO / "train_hvd.py", "--data", tmp_path,
-                        "--elastic", "--zero-stage", "2"])
+                        "--elastic", *flags])
     assert code == 2
-    assert output.strip().splitlines()[-1] == (
-        "train_hvd.py: error: --elastic cannot re-shard --zero-stage 2 state when workers "
-        "come and go: use --zero-stage 0 with --elastic"
-    )
+    assert output.strip().splitlines()[-1] == f"train_hvd.py: error: {message}"
 
 
 def test_commit_every_must_be_positive():

@@ -22,7 +22,7 @@ import tensorflow as tf
 from tfgpt.config import GPTConfig
 from tfgpt.models.gpt import GPT
 from tfgpt.tokenizers.byte_pair_tokenizer import BytePairTokenizer
-from tfgpt.training import sharded_checkpoint
+from tfgpt.training import sharded_checkpoint, tensor_checkpoint
 from tfgpt.training.checkpointing import CONFIG_FILE, TOKENIZER_FILE
 
 
@@ -56,6 +56,9 @@ def load_model(directory, dtype=None):
     if tokenizer is not None:
         check_tokenizer_matches_model(tokenizer, model)
     path = latest_checkpoint(directory)
+    if tensor_checkpoint.slice_count(directory, tensor_checkpoint.step_of(path)) is not None:
+        tensor_checkpoint.restore_whole(directory, path, model)  # the slices, joined
+        return model, tokenizer
     if sharded_checkpoint.is_sharded(path):
         sharded_checkpoint.restore_whole(directory, path, model.trainable_variables, None, None)
         return model, tokenizer

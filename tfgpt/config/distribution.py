@@ -45,6 +45,13 @@ class HorovodOptions:
             of the whole training state and the data position in memory,
             what a lost worker sends the others back to. Separate from
             --save-every (checkpoints on disk).
+        tensor_parallel: int. Split each GPT block's attention heads and
+            feed-forward width, and the vocabulary, over this many
+            consecutive ranks (Megatron-LM's tensor parallelism; GPT
+            only); the other factor of the ranks is data parallelism. Must
+            divide the ranks, the heads, the intermediate size and the
+            vocabulary (round --vocabulary-size up to a multiple); 1 keeps
+            every block whole (README, Tensor parallelism).
     """
 
     CHOICES = {"zero_stage": ZERO_STAGES}
@@ -54,6 +61,7 @@ class HorovodOptions:
     zero_stage: int = 0
     elastic: bool = False
     commit_every: int = 10
+    tensor_parallel: int = 1
 
     def __post_init__(self):
         if not self.allreduce_bucket_mb >= 0:
@@ -67,6 +75,12 @@ class HorovodOptions:
             raise ValueError(
                 f"--elastic cannot re-shard --zero-stage {self.zero_stage} state when "
                 "workers come and go: use --zero-stage 0 with --elastic"
+            )
+        require_positive_int("tensor_parallel", self.tensor_parallel)
+        if self.elastic and self.tensor_parallel > 1:
+            raise ValueError(
+                f"--elastic cannot re-split --tensor-parallel {self.tensor_parallel} slices when "
+                "workers come and go: use --tensor-parallel 1 with --elastic"
             )
 
 

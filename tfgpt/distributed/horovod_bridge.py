@@ -26,7 +26,9 @@ import tensorflow as tf
 from tfgpt.config.distribution import HorovodOptions
 from tfgpt.config.training import ALLREDUCE_BUCKET_MB
 from tfgpt.distributed.cpu_threads import configure_cpu_threads, resolve_towers
+from tfgpt.distributed.layout import ParallelLayout
 from tfgpt.distributed.local import LocalDistribution, device_settings
+from tfgpt.distributed.tensor_parallel import TensorSlice, slice_scope
 
 _COMPRESSIONS = ("none", "fp16")
 
@@ -87,10 +89,16 @@ class HorovodDistribution(LocalDistribution):
             loses when workers share cores; one operation for all
             gradients would wait for the whole backward pass. The default,
             3 MB, cuts gpt-mini's 46 MB (76 gradients) into 10 buckets.
+        tensor_parallel: int. T: consecutive ranks that split each block
+            (`tfgpt.distributed.tensor_parallel`); must divide the ranks.
 
     Each process is one worker with one replica: `scope()`, `run()` and
     `distribute_dataset()` are the single-process ones, with this rank's
-    part of the data.
+    part of the data. With `tensor_parallel` T > 1, the N ranks are laid
+    out as `layout` (`tfgpt.distributed.layout.ParallelLayout`): `size` is
+    the N / T data-parallel replicas, the ranks of a tensor group read the
+    same batches, gradients are averaged over the data group only, and
+    models built in `scope()` hold this rank's `tensor_slice`.
 
     Example (under `horovodrun -np 2 python script.py`):
     >>> distribution = HorovodDistribution()
@@ -98,7 +106,7 @@ class HorovodDistribution(LocalDistribution):
     2
     """
 
-    def __init__(self, compression="none", bucket_mb=ALLREDUCE_BUCKET_MB):
+    def __init__(self, compression="none", bucket_mb=ALLREDUCE_BUCKET_MB, tensor_parallel=1):
         if compression not in _COMPRESSIONS:
             raise ValueError(
                 f"`compression` must be one of {_COMPRESSIONS}. "
@@ -122,6 +130,9 @@ class HorovodDistribution(LocalDistribution):
                 f"which builds it against the installed TensorFlow ({error})"
             ) from error
         self._hvd = hvd
+        if tensor_parallel > 1:
+            # The tensor and data groups are added once the ranks are known.
+            os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
         hvd.init()
         self.read_world()
         self._compression = (
@@ -138,8 +149,15 @@ class HorovodDistribution(LocalDistribution):
         """
         hvd = self._hvd
         self.rank = hvd.rank()
-        self.size = hvd.size()
-        self.num_workers = self.size
+        self.num_workers = hvd.size()
+        self.layout = ParallelLayout(hvd.size(), tensor=tensor_parallel)
+        self.size = self.layout.data
+        self._data_set = None
+        if tensor_parallel > 1:
+            tensor_set, self._data_set = self.layout.process_sets(hvd, self.rank)
+            self.tensor_slice = TensorSlice(
+                hvd, tensor_set, tensor_parallel, self.layout.coordinates(self.rank)[2]
+            )
         self.local_rank = hvd.local_rank()
         self.local_size = hvd.local_size()
         self.is_chief = self.rank == 0
@@ -161,11 +179,20 @@ class HorovodDistribution(LocalDistribution):
         distribution = cls(
             compression="fp16" if options.fp16_allreduce else "none",
             bucket_mb=options.allreduce_bucket_mb,
+            tensor_parallel=options.tensor_parallel,
         )
         distribution.configure_devices(**device_settings(config))
         distribution.options = options
         distribution.zero_stage = options.zero_stage
         return distribution
+
+    def scope(self):
+        """Where the model is built: in this rank's tensor slice, if any."""
+        return slice_scope(self.tensor_slice)
+
+    def data_shard(self):
+        """`(data replica, replicas)`: the ranks of a tensor group read the same batches."""
+        return self.layout.coordinates(self.rank)[0], self.layout.data
 
     def configure_devices(self, intra_op_threads=0, *, towers=1, batch_size=0, xla=False):
         """Pins one GPU per local rank; splits CPU cores among local ranks.
@@ -209,12 +236,16 @@ class HorovodDistribution(LocalDistribution):
         """
         if self.size == 1:
             return list(gradients)
+        # Under tensor parallelism: over the data group (every gradient of a
+        # tensor group's ranks is already whole, `tensor_parallel`).
+        where = {} if self._data_set is None else {"process_set": self._data_set}
         averaged = [None] * len(gradients)
         for bucket in gradient_buckets(gradients, self.bucket_bytes):
             reduced = self._hvd.grouped_allreduce(
                 [gradients[index] for index in bucket],
                 op=self._hvd.Average,
                 compression=self._compression,
+                **where,
             )
             for index, gradient in zip(bucket, reduced):
                 averaged[index] = gradient
@@ -225,6 +256,26 @@ class HorovodDistribution(LocalDistribution):
         return self._hvd.allreduce(value, op=self._hvd.Average, name=None)
 
     def broadcast_variables(self, variables):
-        """Overwrites `variables` (Keras or tf.Variables) with rank 0's values."""
+        """Overwrites `variables` (Keras or tf.Variables) with rank 0's values.
+
+        Under tensor parallelism, with the values of the first rank of this
+        rank's data group (the same slice): a sum over the group to which
+        only that rank contributes.
+        """
         tf_variables = [v.value if isinstance(v, keras.Variable) else v for v in variables]
-        self._hvd.broadcast_variables(tf_variables, root_rank=0)
+        if self.tensor_slice is None:
+            self._hvd.broadcast_variables(tf_variables, root_rank=0)
+            return
+        if self._data_set is None:
+            return  # one replica: nothing to agree on
+        first = self.layout.data_group(self.rank)[0] == self.rank
+        by_dtype = {}  # a grouped allreduce takes one dtype
+        for variable in tf_variables:
+            by_dtype.setdefault(variable.dtype, []).append(variable)
+        for group in by_dtype.values():
+            sums = self._hvd.grouped_allreduce(
+                [tf.convert_to_tensor(v) if first else tf.zeros_like(v) for v in group],
+                op=self._hvd.Sum, process_set=self._data_set,
+            )
+            for variable, value in zip(group, sums):
+                variable.assign(value)

@@ -11,7 +11,9 @@ class LocalDistribution:
     The interface every distribution offers the trainer core:
     `rank`, `size` (replicas in sync), `is_chief`, `scope()`,
     `distribute_dataset(fn)`, `run(fn, batch)`, `allreduce_gradients`,
-    `allreduce_mean`, `broadcast_variables`, `configure_optimizer` and
+    `allreduce_mean`, `broadcast_variables`, `configure_optimizer`,
+    `data_shard()`, `tensor_slice` (None, or this rank's
+    `tfgpt.distributed.tensor_parallel.TensorSlice`) and
     `towers` (how many slices of each batch the step runs side by side).
     Front ends build theirs with `create(options, config)`.
     """
@@ -27,6 +29,8 @@ class LocalDistribution:
     towers = 1
     # ZeRO stage (Horovod's --zero-stage; tfgpt.distributed.zero): 0, nothing sharded.
     zero_stage = 0
+    # This rank's slice of the blocks under tensor parallelism; None: whole.
+    tensor_slice = None
     # The front end's options (`tfgpt.config.distribution`) it was created
     # with; written into the run's config.json beside the run config.
     options = None
@@ -34,10 +38,19 @@ class LocalDistribution:
     def scope(self):
         return contextlib.nullcontext()
 
+    def data_shard(self):
+        """`(index, count)`: which of the `count` input pipelines this worker reads.
+
+        One per worker, except under tensor parallelism, where the ranks
+        of a tensor group read the same batches.
+        """
+        return self.rank, self.num_workers
+
     def input_context(self):
+        index, count = self.data_shard()
         return tf.distribute.InputContext(
-            num_input_pipelines=self.num_workers,
-            input_pipeline_id=self.rank,
+            num_input_pipelines=count,
+            input_pipeline_id=index,
             num_replicas_in_sync=self.size,
         )
 

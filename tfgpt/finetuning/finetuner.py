@@ -74,6 +74,11 @@ def finetune(config, model_overrides=None, distribution=None):
             "--elastic is for pretraining (train_hvd.py): fine-tuning runs on a fixed set "
             "of workers"
         )
+    if distribution.tensor_slice is not None:
+        raise ValueError(
+            f"--tensor-parallel {distribution.tensor_slice.size} splits GPT pretraining "
+            "(train_hvd.py) only; fine-tuning trains BERT and ALBERT, whose layers are not split"
+        )
     model_overrides = dict(model_overrides or {})
     out = config.out
 

@@ -164,7 +164,8 @@ def runs(kernel, dtype=None, **conditions):
     return not reason(kernel, dtype, **conditions)
 
 
-def summary(dtype="float32", xla=False, dropout=0.0, masked=False, strategy=False):
+def summary(dtype="float32", xla=False, dropout=0.0, masked=False, strategy=False,
+            tensor_parallel=False):
     """One line naming the fused kernels a training step of this configuration runs.
 
     Args:
@@ -175,6 +176,8 @@ def summary(dtype="float32", xla=False, dropout=0.0, masked=False, strategy=Fals
         masked: bool. The model's attention takes a padding mask (encoders).
         strategy: bool. A `tf.distribute` strategy updates the variables
             (train_mirrored.py; Horovod is not one).
+        tensor_parallel: bool. The loss is the vocabulary-parallel one
+            (`--tensor-parallel`), not the cross-entropy kernel.
 
     Returns:
         str, e.g. "fused kernels: softmax, layer_norm, bias_gelu,
@@ -196,6 +199,8 @@ def summary(dtype="float32", xla=False, dropout=0.0, masked=False, strategy=Fals
             kernel.name, "float32" if kernel.strategy_free else name, xla=bool(xla),
             dropout=dropout, masked=masked, strategy=strategy,
         )
+        if tensor_parallel and kernel.name == "cross_entropy":
+            why = "--tensor-parallel's vocabulary-parallel loss runs plain ops"
         if why:
             inactive.setdefault(why, []).append(kernel.name)
         else:

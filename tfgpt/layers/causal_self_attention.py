@@ -73,12 +73,12 @@ class CausalSelfAttention(SelfAttentionBase):
     def __init__(self, hidden_dim, num_heads, dropout=0.0, **kwargs):
         super().__init__(hidden_dim, num_heads, dropout=dropout, **kwargs)
         initializer = normal_initializer()
-        self.query_key_value = self._dense(3 * hidden_dim, "query_key_value", initializer)
+        self.query_key_value = self._heads_dense(3, "query_key_value", initializer)
         self._add_output_layers(initializer)
 
     def build(self, input_shape):
         self.query_key_value.build(input_shape)
-        self.output_projection.build(input_shape[:-1] + (self.hidden_dim,))
+        self.output_projection.build(input_shape[:-1] + (self.local_dim,))
         self.built = True
 
     def call(
@@ -107,18 +107,18 @@ class CausalSelfAttention(SelfAttentionBase):
             The output (B, T, C), and with a cache also the updated cache in
             the form it was given.
         """
-        qkv = self.query_key_value(inputs)  # (B, T, 3C)
+        qkv = self.query_key_value(self._heads_input(inputs))  # (B, T, 3C)
         if causal_attention_available(
             qkv.dtype, self.dropout if training else 0.0, padding_mask, cache
         ):
             # Float32 on CPU: one fused kernel each way reads the heads out
             # of the projection and skips the masked score blocks.
-            attended = causal_attention(qkv, self.num_heads)  # (B, T, C)
-            return self.output_projection(attended)  # (B, T, C)
+            attended = causal_attention(qkv, self.local_heads)  # (B, T, C)
+            return self._project_output(attended)  # (B, T, C)
         batch_size = tf.shape(inputs)[0]
         length = tf.shape(inputs)[1]
         qkv = tf.reshape(
-            qkv, [batch_size, length, 3, self.num_heads, self.head_dim]
+            qkv, [batch_size, length, 3, self.local_heads, self.head_dim]
         )  # (B, T, 3, H, D)
         # One transpose puts (q, k, v) first and heads before time; unstacking
         # the leading axis then gives three contiguous (B, H, T, D) tensors,

@@ -28,6 +28,11 @@ class SelfAttention(SelfAttentionBase):
 
     def __init__(self, hidden_dim, num_heads, dropout=0.0, **kwargs):
         super().__init__(hidden_dim, num_heads, dropout=dropout, **kwargs)
+        if self.tensor_slice is not None:
+            raise ValueError(
+                "--tensor-parallel splits GPT's causal attention only; the encoders' "
+                "(BERT, ALBERT) layers, embeddings and heads are not split"
+            )
         self.query = self._dense(hidden_dim, "query")
         self.key = self._dense(hidden_dim, "key")
         self.value = self._dense(hidden_dim, "value")

@@ -4,7 +4,8 @@ import keras
 import tensorflow as tf
 
 from tfgpt.config.checks import require_divisible
-from tfgpt.layers.configured_layer import ConfiguredLayer
+from tfgpt.distributed.tensor_parallel import current_slice, mark_split, sliced_initializer
+from tfgpt.layers.configured_layer import ConfiguredLayer, normal_initializer
 
 # The score of a key a query may not attend to: a large finite negative
 # rather than -inf, so that a row with no such key (a padding query) gives a
@@ -27,6 +28,12 @@ class SelfAttentionBase(ConfiguredLayer):
             `num_heads`.
         num_heads: int. Number of attention heads.
         dropout: float. Dropout rate on the attention probabilities.
+
+    Built inside `tfgpt.distributed.tensor_parallel.slice_scope`, the layer
+    holds `local_heads` of the heads (its slice): the projection to the
+    heads is column-parallel, the output projection row-parallel (its
+    partial products summed over the tensor group), and the attention
+    dropout draws the slice's own masks.
     """
 
     def __init__(self, hidden_dim, num_heads, dropout=0.0, **kwargs):
@@ -34,10 +41,47 @@ class SelfAttentionBase(ConfiguredLayer):
         require_divisible("hidden_dim", hidden_dim, "num_heads", num_heads)
         self.record_config(hidden_dim=hidden_dim, num_heads=num_heads, dropout=dropout)
         self.head_dim = hidden_dim // num_heads
+        self.tensor_slice = current_slice()
+        self.local_heads = (
+            self.tensor_slice.rows(num_heads, "num_heads")[1] if self.tensor_slice else num_heads
+        )
+        # Width of the concatenated heads this layer holds.
+        self.local_dim = self.local_heads * self.head_dim
+
+    def _heads_dense(self, groups, name, initializer=None):
+        """The column-parallel projection to `groups` x this layer's heads (q, k, v)."""
+        initializer = initializer or normal_initializer()
+        if self.tensor_slice is None:
+            return self._dense(groups * self.hidden_dim, name, initializer)
+        whole = (self.hidden_dim, groups * self.hidden_dim)
+        dense = self._dense(
+            groups * self.local_dim, name,
+            sliced_initializer(initializer, self.tensor_slice, whole, (1, groups)),
+        )
+        mark_split(dense, kernel=(1, groups), bias=(0, groups))
+        return dense
+
+    def _heads_input(self, inputs):
+        """The input of the projection to the heads: f, under a tensor slice."""
+        return self.tensor_slice.copy_to_group(inputs) if self.tensor_slice else inputs
 
     def _add_output_layers(self, initializer=None):
+        initializer = initializer or normal_initializer()
+        if self.tensor_slice is not None:
+            whole = (self.hidden_dim, self.hidden_dim)
+            initializer = sliced_initializer(initializer, self.tensor_slice, whole, (0, 1))
         self.output_projection = self._dense(self.hidden_dim, "output_projection", initializer)
         self.attention_dropout = self._dropout(self.dropout, "attention_dropout")
+        if self.tensor_slice is not None:
+            mark_split(self.output_projection, kernel=(0, 1))
+            if self.dropout > 0:
+                self.tensor_slice.seed_dropout(self.attention_dropout)
+
+    def _project_output(self, attended):
+        """The output projection of the heads (B, T, local_dim) to (B, T, C)."""
+        if self.tensor_slice is None:
+            return self.output_projection(attended)
+        return self.tensor_slice.row_parallel(self.output_projection, attended)
 
     @staticmethod
     def _keys_real(padding_mask):
@@ -50,5 +94,5 @@ class SelfAttentionBase(ConfiguredLayer):
         weights = tf.cast(weights, self.compute_dtype)
         attended = tf.matmul(weights, value)  # (B, H, T, D)
         attended = tf.transpose(attended, [0, 2, 1, 3])  # (B, T, H, D)
-        attended = tf.reshape(attended, [batch_size, length, self.hidden_dim])  # (B, T, C)
-        return self.output_projection(attended)  # (B, T, C)
+        attended = tf.reshape(attended, [batch_size, length, self.local_dim])  # (B, T, C)
+        return self._project_output(attended)  # (B, T, C)

@@ -3,6 +3,7 @@
 import keras
 import tensorflow as tf
 
+from tfgpt.distributed.tensor_parallel import current_slice, mark_split, sliced_initializer
 from tfgpt.layers.configured_layer import ConfiguredLayer, normal_initializer
 
 
@@ -16,6 +17,11 @@ class TokenAndPositionEmbedding(ConfiguredLayer):
             stay below it.
         hidden_dim: int. Embedding width.
         dropout: float. Dropout rate applied to the sum.
+
+    Built inside `tfgpt.distributed.tensor_parallel.slice_scope`, the token
+    table holds the slice's `vocabulary_size / T` rows (vocabulary-parallel:
+    each rank looks up the ids it holds, the sum over the group gives every
+    rank every row); the position table is replicated.
 
     Example:
     >>> layer = TokenAndPositionEmbedding(100, 16, 8)
@@ -34,9 +40,17 @@ class TokenAndPositionEmbedding(ConfiguredLayer):
             dropout=dropout,
         )
         initializer = normal_initializer()
+        self.tensor_slice = current_slice()
+        rows, token_initializer = vocabulary_size, initializer
+        if self.tensor_slice is not None:
+            rows = self.tensor_slice.rows(vocabulary_size, "vocabulary_size")[1]
+            token_initializer = sliced_initializer(
+                initializer, self.tensor_slice, (vocabulary_size, hidden_dim), (0, 1))
         self.token_embedding = self._embedding(
-            vocabulary_size, hidden_dim, "token_embedding", initializer
+            rows, hidden_dim, "token_embedding", token_initializer
         )
+        if self.tensor_slice is not None:
+            mark_split(self.token_embedding, embeddings=(0, 1))
         self.position_embedding = self._embedding(
             max_sequence_length, hidden_dim, "position_embedding", initializer
         )
@@ -81,5 +95,10 @@ class TokenAndPositionEmbedding(ConfiguredLayer):
             self.max_sequence_length,
             message="position beyond max_sequence_length",
         )
-        embedded = self.token_embedding(token_ids) + self.position_embedding(positions)
+        if self.tensor_slice is None:
+            tokens = self.token_embedding(token_ids)  # (B, T, C)
+        else:
+            table = tf.cast(self.token_embedding.embeddings, self.compute_dtype)  # (V/T, C)
+            tokens = self.tensor_slice.embed(table, token_ids)  # (B, T, C)
+        embedded = tokens + self.position_embedding(positions)
         return self.embedding_dropout(embedded, training=training)  # (B, T, C)

@@ -4,6 +4,7 @@ import keras
 import tensorflow as tf
 
 from tfgpt.config.checks import require_one_of
+from tfgpt.distributed.tensor_parallel import current_slice, mark_split, sliced_initializer
 from tfgpt.layers.activated_dense import ActivatedDense
 from tfgpt.layers.causal_self_attention import CausalSelfAttention
 from tfgpt.layers.configured_layer import ConfiguredLayer, normal_initializer
@@ -51,6 +52,14 @@ class TransformerBlock(ConfiguredLayer):
     training-time choice, not part of the architecture: it is not a
     constructor argument and not in `get_config()`. Gradients are unchanged,
     dropout included (the recomputation replays the same dropout masks).
+
+    Built inside `tfgpt.distributed.tensor_parallel.slice_scope`, the block
+    holds its tensor slice (Shoeybi et al. 2019): its attention's slice of
+    the heads, and `local_intermediate` of the feed-forward width, the
+    first matmul column-parallel (after f) and the second row-parallel
+    (its partial products summed by g before the replicated bias). Layer
+    norms and residual dropouts are replicated: every rank of the tensor
+    group computes them alike, with equal dropout masks.
 
     Example:
     >>> block = TransformerBlock(hidden_dim=8, num_heads=2, intermediate_dim=32)
@@ -101,25 +110,42 @@ class TransformerBlock(ConfiguredLayer):
         )
         self.attention_dropout = self._dropout(dropout, "attention_dropout")
         self.feedforward_norm = self._layer_norm(layer_norm_epsilon, "feedforward_norm")
+        self.tensor_slice = current_slice()
+        self.local_intermediate = intermediate_dim
+        intermediate_initializer = output_initializer = initializer
+        if self.tensor_slice is not None:
+            self.local_intermediate = self.tensor_slice.rows(
+                intermediate_dim, "intermediate_dim")[1]
+            intermediate_initializer = sliced_initializer(
+                initializer, self.tensor_slice, (hidden_dim, intermediate_dim), (1, 1))
+            output_initializer = sliced_initializer(
+                initializer, self.tensor_slice, (intermediate_dim, hidden_dim), (0, 1))
         self.feedforward_intermediate = self._dense(
-            intermediate_dim,
+            self.local_intermediate,
             "feedforward_intermediate",
-            initializer,
+            intermediate_initializer,
             dense_class=ActivatedDense,
             activation=activation,
         )
-        self.feedforward_output = self._dense(hidden_dim, "feedforward_output", initializer)
+        self.feedforward_output = self._dense(hidden_dim, "feedforward_output", output_initializer)
         self.feedforward_dropout = self._dropout(dropout, "feedforward_dropout")
+        if self.tensor_slice is not None:
+            mark_split(self.feedforward_intermediate, kernel=(1, 1), bias=(0, 1))
+            mark_split(self.feedforward_output, kernel=(0, 1))
 
     def build(self, input_shape):
         self.attention_norm.build(input_shape)
         self.attention.build(input_shape)
         self.feedforward_norm.build(input_shape)
         self.feedforward_intermediate.build(input_shape)
-        self.feedforward_output.build(input_shape[:-1] + (self.intermediate_dim,))
+        self.feedforward_output.build(input_shape[:-1] + (self.local_intermediate,))
         self.built = True
 
     def _feedforward(self, x, training):
+        if self.tensor_slice is not None:
+            x = self.feedforward_intermediate(self.tensor_slice.copy_to_group(x))  # (B, T, I/T)
+            x = self.tensor_slice.row_parallel(self.feedforward_output, x)  # (B, T, C)
+            return self.feedforward_dropout(x, training=training)
         x = self.feedforward_intermediate(x)  # (B, T, I)
         x = self.feedforward_output(x)  # (B, T, C)
         return self.feedforward_dropout(x, training=training)

@@ -5,6 +5,7 @@ import tensorflow as tf
 
 from tfgpt import decoding
 from tfgpt.config import GPTConfig
+from tfgpt.distributed.tensor_parallel import current_slice, mark_split, sliced_initializer
 from tfgpt.layers.token_and_position_embedding import TokenAndPositionEmbedding
 from tfgpt.models.block_stack import BlockStack
 from tfgpt.models.configured_model import ConfiguredModel
@@ -19,6 +20,12 @@ class GPT(BlockStack, ConfiguredModel):
     to the token embedding by default. Returns float32 logits of shape
     (B, T, vocabulary_size) whatever the dtype policy, so the loss and its
     softmax run in float32 under mixed precision.
+
+    Built inside `tfgpt.distributed.tensor_parallel.slice_scope` (tensor
+    parallelism, `--tensor-parallel`), each rank holds its slice of every
+    block and of the vocabulary, and returns the logits of its own
+    `vocabulary_size / T` ids (B, T, V/T): the loss takes them as they
+    are (`TensorSlice.cross_entropy`), the logits are never gathered.
 
     Args:
         The fields of `tfgpt.config.GPTConfig`, as keyword arguments, and
@@ -45,17 +52,21 @@ class GPT(BlockStack, ConfiguredModel):
             name="embeddings",
         )
         self._add_blocks(self.num_layers, attention="causal")
-        self.lm_head = (
-            None
-            if self.tie_embeddings
-            else keras.layers.Dense(
-                self.vocabulary_size,
-                use_bias=False,
-                kernel_initializer=keras.initializers.RandomNormal(stddev=0.02),
-                dtype=policy,
+        self.tensor_slice = current_slice()
+        self.lm_head = None
+        if not self.tie_embeddings:
+            units, initializer = self.vocabulary_size, keras.initializers.RandomNormal(stddev=0.02)
+            if self.tensor_slice is not None:
+                units = self.tensor_slice.rows(self.vocabulary_size, "vocabulary_size")[1]
+                initializer = sliced_initializer(
+                    initializer, self.tensor_slice,
+                    (self.hidden_dim, self.vocabulary_size), (1, 1))
+            self.lm_head = keras.layers.Dense(
+                units, use_bias=False, kernel_initializer=initializer, dtype=policy,
                 name="lm_head",
             )
-        )
+            if self.tensor_slice is not None:
+                mark_split(self.lm_head, kernel=(1, 1))
         self.build((None, None))
 
     def build(self, input_shape):
@@ -118,6 +129,9 @@ class GPT(BlockStack, ConfiguredModel):
         return logits
 
     def _project_to_vocabulary(self, x):
+        if self.tensor_slice is not None:
+            # f: every slice of the vocabulary reads the whole hidden state.
+            x = self.tensor_slice.copy_to_group(x)
         if self.lm_head is not None:
             logits = self.lm_head(x)
         else:

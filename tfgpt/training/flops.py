@@ -24,10 +24,12 @@ import time
 
 import tensorflow as tf
 
+from tfgpt.distributed.tensor_parallel import whole_parameters
+
 
 def matmul_parameters(model):
-    """N in 6N: the parameters used in a matmul for every token."""
-    count = model.count_params()
+    """N in 6N: the parameters used in a matmul for every token (of the whole model)."""
+    count = whole_parameters(model)  # a tensor-parallel slice: its whole model's
     count -= model.max_sequence_length * model.hidden_dim  # position lookup
     if not model.tie_embeddings:
         count -= model.vocabulary_size * model.hidden_dim  # token lookup

@@ -78,6 +78,7 @@ def kernel_summary(config, distribution, model):
         dropout=backbone.config.dropout,
         masked=not isinstance(backbone, GPT),  # encoders pass a padding mask
         strategy=hasattr(distribution, "strategy"),
+        tensor_parallel=distribution.tensor_slice is not None,
     )
 
 
@@ -169,8 +170,12 @@ def state_line(model, distribution, zero):
     def gib(count):
         return f"{count / 2**30:.2f} GiB" if count >= 2**30 else f"{count / 2**20:.1f} MiB"
 
+    ranks = f"{distribution.size} rank(s)"
+    if distribution.tensor_slice is not None:
+        ranks = (f"{distribution.size} data replica(s) x tensor {distribution.tensor_slice.size}, "
+                 "this rank's slice")
     line = (
-        f"state per rank (ZeRO stage {stage}, {distribution.size} rank(s)): parameters "
+        f"state per rank (ZeRO stage {stage}, {ranks}): parameters "
         f"{gib(sizes['parameters'])}, gradients {gib(sizes['gradients'])}, optimizer "
         f"{gib(sizes['optimizer'])}, total {gib(sizes['state'])}"
     )
@@ -181,9 +186,12 @@ def state_line(model, distribution, zero):
     return line
 
 
-def _seed_generator_states(model):
-    # Dropout's random state lives in Keras SeedGenerators, which
-    # tf.train.Checkpoint does not reach through the layers: list them.
+def seed_generator_states(model):
+    """The dropouts' random states, as tf.Variables, in model order.
+
+    They live in Keras SeedGenerators, which tf.train.Checkpoint does not
+    reach through the layers: a checkpoint lists them.
+    """
     return [v.value for v in model.variables if "seed_generator_state" in v.path]
 
 
@@ -194,13 +202,22 @@ def make_checkpointer(config, distribution, model, optimizer, step, zero=None, d
     (`tfgpt.training.elastic`), saved beside them when given. Under ZeRO
     every rank writes its shards beside the chief's replicated state
     (`tfgpt.training.sharded_checkpoint`). A whole-state run resumes
-    from either kind of checkpoint.
+    from either kind of checkpoint. Under tensor parallelism each slice
+    writes its part (`tfgpt.training.tensor_checkpoint`).
     """
     from tfgpt.training import sharded_checkpoint
 
-    rng = _seed_generator_states(model)
+    rng = seed_generator_states(model)
     replicated = dict(step=step, rng=rng,
                       optimizer_state=sharded_checkpoint.replicated_optimizer_variables(optimizer))
+    if distribution.tensor_slice is not None:
+        from tfgpt.training.tensor_checkpoint import TensorParallelCheckpointer
+
+        return TensorParallelCheckpointer(
+            Checkpointer(config.out, distribution.is_chief, keep=config.keep_checkpoints,
+                         step=step),
+            model, optimizer, distribution,
+        )
     if zero is not None:
         return sharded_checkpoint.ShardedCheckpointer(
             Checkpointer(config.out, distribution.is_chief, keep=config.keep_checkpoints,

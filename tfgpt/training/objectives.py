@@ -18,7 +18,7 @@ import tensorflow as tf
 
 from pipelines import encoder_data, reader
 from tfgpt.config import FAMILIES
-from tfgpt.training.train_step import cross_entropy
+from tfgpt.training.train_step import causal_lm_loss, cross_entropy
 
 
 def build_model(family, config, dtype=None):
@@ -39,8 +39,7 @@ class CausalLanguageModelling:
         return reader.make_dataset(data_dir, split, batch_size, **options)
 
     def loss(self, model, batch, training):
-        inputs, targets = batch
-        return cross_entropy(targets, model(inputs, training=training)), {}
+        return causal_lm_loss(model, batch, training)
 
     def evaluation_summary(self, batch, vocabulary_size):
         """Token counts of the targets, for the unigram baseline."""

@@ -11,10 +11,17 @@ from tfgpt.config.checks import require_positive_int
 from tfgpt.training import faults
 
 
-def cross_entropy(targets, logits, weights=None):
-    """Mean token cross-entropy in float32, optionally weighted (B, T) or (B, P)."""
-    # tfgpt.kernels: one pass over the logits in their own dtype on CPU.
-    losses = kernels.sparse_cross_entropy(tf.cast(targets, "int32"), logits)
+def cross_entropy(targets, logits, weights=None, tensor_slice=None):
+    """Mean token cross-entropy in float32, optionally weighted (B, T) or (B, P).
+
+    With a `tensor_slice` (`tfgpt.distributed.tensor_parallel`), `logits`
+    are the slice's part of the vocabulary, combined over its tensor group.
+    """
+    if tensor_slice is not None:
+        losses = tensor_slice.cross_entropy(targets, logits)
+    else:
+        # tfgpt.kernels: one pass over the logits in their own dtype on CPU.
+        losses = kernels.sparse_cross_entropy(tf.cast(targets, "int32"), logits)
     if weights is None:
         return tf.reduce_mean(losses)
     weights = tf.cast(weights, "float32")
@@ -24,7 +31,8 @@ def cross_entropy(targets, logits, weights=None):
 def causal_lm_loss(model, batch, training):
     """Next-token loss of a decoder on an `(inputs, targets)` batch."""
     inputs, targets = batch
-    return cross_entropy(targets, model(inputs, training=training)), {}
+    logits = model(inputs, training=training)
+    return cross_entropy(targets, logits, tensor_slice=getattr(model, "tensor_slice", None)), {}
 
 
 def _dense(gradient):
@@ -128,6 +136,11 @@ class TrainStep:
             applies the update on this rank's shards; None averages whole
             gradients through `distribution`.
 
+    A model built in a tensor slice (`model.tensor_slice`,
+    `tfgpt.distributed.tensor_parallel`) has its gradient norm summed over
+    its tensor group (the slices' squares once each, the replicated
+    parameters' once).
+
     Calling it with a batch returns a dict of scalars: `loss` (this
     worker's mean), `gradient_norm` (global norm of the averaged, unscaled
     gradients before clipping), and whatever `loss_fn` reports; and, unless
@@ -153,6 +166,13 @@ class TrainStep:
         self.towers = towers
         self.variables = model.trainable_variables
         self.zero = zero
+        # Tensor parallelism: which gradients are slices, for the global norm.
+        self.tensor_slice = getattr(model, "tensor_slice", None)
+        if self.tensor_slice is not None:
+            from tfgpt.distributed.tensor_parallel import split_rules
+
+            rules = split_rules(model)
+            self._split = [id(variable) in rules for variable in self.variables]
         # Micro-batches under ZeRO one after the other: each runs
         # collectives of the same names, which must not overlap. (10 is
         # tf.while_loop's default.)
@@ -232,8 +252,11 @@ class TrainStep:
         )
 
     def _update_fn(self, gradients):
-        gradient_norm = tf.linalg.global_norm(gradients)
         loss_scale = _loss_scale(self.optimizer)
+        if self.tensor_slice is None:
+            gradient_norm = tf.linalg.global_norm(gradients)
+        else:
+            gradient_norm = self.tensor_slice.global_norm(gradients, self._split)
         if loss_scale is not None:
             gradient_norm = gradient_norm / tf.cast(loss_scale, gradient_norm.dtype)
             self.optimizer.apply(gradients, self.variables)

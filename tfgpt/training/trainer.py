@@ -16,6 +16,7 @@ import tensorflow as tf
 
 from pipelines import reader
 from tfgpt.config import FAMILIES, family_of_preset
+from tfgpt.distributed import tensor_parallel
 from tfgpt.layers.transformer_block import set_recompute
 from tfgpt.training import elastic as elastic_training
 from tfgpt.training import loop, objectives
@@ -126,14 +127,15 @@ def evaluate(task, eval_step, batches, distribution, max_batches, vocabulary_siz
 
 
 def _check_batch_sizes(train_config, manifest, distribution):
-    records = reader.records_per_worker(manifest, "train", distribution.num_workers)
-    replicas_per_worker = distribution.size // distribution.num_workers
+    _, pipelines = distribution.data_shard()
+    records = reader.records_per_worker(manifest, "train", pipelines)
+    replicas_per_worker = distribution.size // pipelines
     needed = train_config.batch_size * train_config.accumulation_steps * replicas_per_worker
     if min(records) < needed:
         raise ValueError(
             f"--batch-size {train_config.batch_size} x --accumulation-steps "
             f"{train_config.accumulation_steps} needs {needed} training sequences per "
-            f"worker, but {train_config.data} gives some of the {distribution.num_workers} "
+            f"worker, but {train_config.data} gives some of the {pipelines} "
             f"worker(s) only {min(records)}"
         )
 
@@ -171,6 +173,9 @@ def train(train_config, model_overrides, distribution):
     model_config = resolve_model_config(
         train_config, model_overrides, manifest, family, saved=saved
     )
+    tensor_slice = distribution.tensor_slice
+    tensor_parallel.check_run(tensor_slice.size if tensor_slice else 1, family, model_config,
+                              train_config, getattr(distribution, "zero_stage", 0))
     if not elastic:  # the global order is endless: any batch size fits
         _check_batch_sizes(train_config, manifest, distribution)
     report = Reporter(out, distribution.is_chief)
@@ -186,6 +191,8 @@ def train(train_config, model_overrides, distribution):
         f"precision {train_config.mixed_precision}, xla {train_config.xla}, "
         f"{towers} tower(s) per replica"
     )
+    if tensor_slice is not None:
+        report.info(distribution.layout.describe())
     loop.start_up_warnings(report, train_config, train_config.steps, distribution)
 
     # Model and optimizer: identical initial weights everywhere (seeded, then broadcast).
@@ -193,7 +200,11 @@ def train(train_config, model_overrides, distribution):
         train_config, distribution, lambda: objectives.build_model(family, model_config),
         train_config.steps,
     )
-    report.info(f"model: {model.count_params():,} parameters {model_config}")
+    parameters = f"{model.count_params():,} parameters"
+    if tensor_slice is not None:
+        parameters = (f"{tensor_parallel.whole_parameters(model):,} parameters "
+                      f"({model.count_params():,} per tensor slice)")
+    report.info(f"model: {parameters} {model_config}")
     report.info(loop.state_line(model, distribution, zero))
     # Recomputation is a training-time choice, not architecture (not in config.json's model).
     if train_config.recompute and not set_recompute(model, True):
@@ -261,13 +272,14 @@ def train(train_config, model_overrides, distribution):
     # Checkpoints: the chief saves model, optimizer, step and dropout state;
     # every worker saves its own data position beside them.
     checkpointer = loop.make_checkpointer(train_config, distribution, model, optimizer, step, zero)
-    data_directory = os.path.join(
-        out, "data", f"worker-{distribution.rank:05d}-of-{distribution.num_workers:05d}"
-    )
+    # One data position per input pipeline (the ranks of a tensor group
+    # share theirs; its first rank writes it).
+    data_index, pipelines = distribution.data_shard()
+    data_directory = os.path.join(out, "data", f"worker-{data_index:05d}-of-{pipelines:05d}")
     if train_config.resume and checkpointer.latest:
         checkpointer.restore_latest()
         data_path = os.path.join(data_directory, f"ckpt-{int(step.numpy())}")
-        replicas_per_worker = distribution.size // distribution.num_workers
+        replicas_per_worker = distribution.size // pipelines
         if not iterator_checkpointable:
             iterator = train_batches(train_config.seed, skip=int(step.numpy()) * replicas_per_worker)
             position = "the next unseen batch (replayed)"
@@ -278,11 +290,12 @@ def train(train_config, model_overrides, distribution):
             # Another worker count than the saved run: no position to take over.
             iterator = train_batches(train_config.seed + int(step.numpy()))
             position = (
-                f"data reshuffled (no position saved for {distribution.num_workers} worker(s))"
+                f"data reshuffled (no position saved for {pipelines} worker(s))"
             )
         report.info(f"resumed from {checkpointer.latest} at step {int(step.numpy())}, {position}")
     data_checkpointer = (
-        Checkpointer(data_directory, True, keep=train_config.keep_checkpoints, iterator=iterator)
+        Checkpointer(data_directory, tensor_slice is None or tensor_slice.index == 0,
+                     keep=train_config.keep_checkpoints, iterator=iterator)
         if iterator_checkpointable
         else None
     )
@@ -320,6 +333,7 @@ def train(train_config, model_overrides, distribution):
 def _validate(task, train_config, distribution, report, model, zero, model_config, metrics,
               at_step):
     """Validation after training: logs it and returns `(model, metrics)` with its results."""
+    data_index, pipelines = distribution.data_shard()  # a tensor group reads one part
     validation = task.dataset(
         train_config.data,
         "val",
@@ -327,8 +341,8 @@ def _validate(task, train_config, distribution, report, model, zero, model_confi
         shuffle=False,
         repeat=False,
         seed=train_config.seed,
-        num_shards=distribution.num_workers,
-        shard_index=distribution.rank,
+        num_shards=pipelines,
+        shard_index=data_index,
     )
     results = evaluate(
         task,

@@ -1,0 +1,103 @@
+"""Tensor-parallel training against one process: run under horovodrun, or alone for the oracle.
+
+Every step has a global batch of GLOBAL_ROWS sequences. Under horovodrun
+with `--tensor T`, the N ranks form N / T data replicas, each reading its
+rows of the global batch, and each rank trains its slice of a tiny GPT
+through `TrainStep`; alone with `--global` (no Horovod), one process
+trains the whole model on all of the rows. Both build the model from the
+same seed. Writes OUT/<tag>-rank-R.npz: the trainable variables (this
+rank's slices) in model order, each one's split rule (`rule_I`, absent
+for a replicated variable), the losses (averaged over the ranks), the
+gradient norms, and the dropout seed states (`seeds`; `split_seeds` marks
+the attention probabilities' dropouts).
+
+Usage: tensor_parallel_train.py OUT TAG [--tensor T] [--global] [--clip C]
+[--dropout P] [--untied] [--steps K]
+"""
+
+import argparse
+
+import keras
+import numpy as np
+
+from tfgpt import GPT
+from tfgpt.config.training import TrainConfig
+from tfgpt.distributed.tensor_parallel import split_rules
+from tfgpt.training.optimizers import make_optimizer
+from tfgpt.training.train_step import TrainStep
+
+VOCABULARY = 38
+GLOBAL_ROWS = 4
+LENGTH = 7
+
+
+def batches_of(index, count, steps):
+    """Data replica `index` of `count`'s rows of the `steps` global batches."""
+    rng = np.random.default_rng(1000)
+    rows = slice(index * GLOBAL_ROWS // count, (index + 1) * GLOBAL_ROWS // count)
+    return [
+        tuple(rng.integers(0, VOCABULARY, (GLOBAL_ROWS, LENGTH)).astype("int32")[rows]
+              for _ in range(2))
+        for _ in range(steps)
+    ]
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("tag")
+    parser.add_argument("--tensor", type=int, default=2)
+    parser.add_argument("--global", dest="global_batch", action="store_true")
+    parser.add_argument("--clip", type=float, default=0.0)
+    parser.add_argument("--dropout", type=float, default=0.0)
+    parser.add_argument("--untied", action="store_true")
+    parser.add_argument("--steps", type=int, default=6)
+    args = parser.parse_args()
+
+    if args.global_batch:
+        from tfgpt.distributed.local import LocalDistribution
+
+        distribution = LocalDistribution()
+    else:
+        from tfgpt.distributed.horovod_bridge import HorovodDistribution
+
+        distribution = HorovodDistribution(bucket_mb=0.001, tensor_parallel=args.tensor)
+        distribution.configure_devices()
+    config = TrainConfig(
+        data=args.out, steps=args.steps, learning_rate=0.01, warmup_steps=2,
+        weight_decay=0.1, gradient_clip_norm=args.clip, scale_learning_rate=False,
+    )
+    keras.utils.set_random_seed(7)
+    with distribution.scope():
+        model = GPT(vocabulary_size=VOCABULARY, num_layers=2, num_heads=4, hidden_dim=16,
+                    intermediate_dim=24, max_sequence_length=LENGTH, dropout=args.dropout,
+                    tie_embeddings=not args.untied)
+    optimizer = make_optimizer(config, 1, steps=args.steps)
+    optimizer.build(model.trainable_variables)
+    distribution.broadcast_variables(model.variables + optimizer.variables)
+    step = TrainStep(model, optimizer, distribution)
+    index, count = distribution.data_shard()
+    losses, norms = [], []
+    for batch in batches_of(index, count, args.steps):
+        metrics = step(batch)
+        losses.append(float(distribution.allreduce_mean(metrics["loss"])))
+        norms.append(float(metrics["gradient_norm"]))
+    rules = split_rules(model)
+    variables = model.trainable_variables
+    states = [v for v in model.variables if "seed_generator_state" in v.path]
+    # The attention probabilities' dropouts: the split regions.
+    split_states = {id(block.attention.attention_dropout.seed_generator.state)
+                    for block in model.blocks if args.dropout}
+    np.savez(
+        f"{args.out}/{args.tag}-rank-{distribution.rank}.npz",
+        losses=np.array(losses), norms=np.array(norms),
+        seeds=np.array([v.numpy() for v in states]),
+        split_seeds=np.array([id(v) in split_states for v in states], bool),
+        **{f"weight_{i}": v.numpy() for i, v in enumerate(variables)},
+        **{f"rule_{i}": np.array(rules[id(v)]) for i, v in enumerate(variables)
+           if id(v) in rules},
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""Tensor parallelism: the rank layout, Megatron's operators, and training equal to one process.
+
+The multi-process tests run scripts of `tests/hvd_scripts` under
+`horovodrun`: `tensor_parallel_check.py` (the operators against unsplit
+autodiff and NumPy) and `tensor_parallel_train.py` (a tiny GPT trained
+with its blocks split over a tensor group, against one process on the
+same global batches).
+"""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from tests.launch import REPO, horovodrun, run_and_load
+from tfgpt.distributed.layout import ParallelLayout
+
+OPERATORS_SCRIPT = REPO / "tests" / "hvd_scripts" / "tensor_parallel_check.py"
+
+
+# ---- The layout (no processes) ---------------------------------------------------
+
+
+@pytest.mark.parametrize("size, tensor, pipeline", [(8, 2, 2), (6, 3, 1), (4, 1, 2), (2, 2, 1)])
+def test_layout_numbers_ranks_tensor_innermost(size, tensor, pipeline):
+    layout = ParallelLayout(size, tensor=tensor, pipeline=pipeline)
+    assert layout.data == size // (tensor * pipeline)
+    # Every rank once, at the coordinates of the nested loops data > pipeline > tensor.
+    expected = list(itertools.product(range(layout.data), range(pipeline), range(tensor)))
+    assert [layout.coordinates(rank) for rank in range(size)] == expected
+    for rank in range(size):
+        assert layout.rank_of(*layout.coordinates(rank)) == rank
+        group = layout.tensor_group(rank)
+        assert group == list(range(group[0], group[0] + tensor))  # consecutive
+        assert rank in group and rank in layout.data_group(rank)
+        # A data group holds one rank of each replica, at the same stage and slice.
+        assert [layout.coordinates(r)[0] for r in layout.data_group(rank)] == list(
+            range(layout.data))
+        assert {layout.coordinates(r)[1:] for r in layout.data_group(rank)} == {
+            layout.coordinates(rank)[1:]}
+    # The groups of each kind partition the ranks.
+    for groups in (layout.tensor_groups(), layout.data_groups()):
+        assert sorted(r for g in groups for r in g) == list(range(size))
+
+
+def test_layout_of_four_ranks_two_way_tensor_parallel():
+    layout = ParallelLayout(4, tensor=2)
+    assert layout.tensor_groups() == [[0, 1], [2, 3]]
+    assert layout.data_groups() == [[0, 2], [1, 3]]
+    line = layout.describe()
+    assert "data 2 x pipeline 1 x tensor 2" in line
+    assert "rank 3: data replica 1, tensor slice 2/2" in line
+
+
+@pytest.mark.parametrize("size, tensor, pipeline", [(3, 2, 1), (4, 3, 1), (6, 2, 2)])
+def test_layout_refuses_sizes_that_do_not_multiply_to_the_ranks(size, tensor, pipeline):
+    with pytest.raises(ValueError, match=rf"does not divide the {size} rank\(s\) of horovodrun "
+                                         rf"-np {size}.*tensor_parallel={tensor}"):
+        ParallelLayout(size, tensor=tensor, pipeline=pipeline)
+
+
+@pytest.mark.parametrize("tensor", [0, -2, 1.5])
+def test_layout_refuses_a_tensor_size_that_is_not_a_positive_integer(tensor):
+    with pytest.raises(ValueError, match="`tensor_parallel` must be a positive integer"):
+        ParallelLayout(4, tensor=tensor)
+
+
+def test_split_rows_refuses_a_size_that_does_not_divide():
+    from tfgpt.distributed.tensor_parallel import split_rows
+
+    assert split_rows(12, 3, 2) == (8, 4)
+    with pytest.raises(ValueError, match=r"--tensor-parallel 2 must divide `num_heads`. "
+                                         r"Received: num_heads=3"):
+        split_rows(3, 2, 0, "num_heads")
+
+
+# ---- The operators against unsplit autodiff (horovodrun -np 2) -----------------------
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_operators_match_unsplit_autodiff_and_numpy(tmp_path):
+    code, output = horovodrun(2, OPERATORS_SCRIPT, tmp_path)
+    assert code == 0, output
+    for rank in range(2):
+        results = np.load(tmp_path / f"operators-rank-{rank}.npz")
+        names = sorted(key[:-len("_got")] for key in results if key.endswith("_got"))
+        assert names == sorted([
+            "mlp_output", "mlp_input_gradient", "mlp_first_gradient", "mlp_second_gradient",
+            "mlp_bias_gradient", "embedding", "cross_entropy", "table_gradient",
+            "hidden_gradient",
+        ])
+        for name in names:
+            got, expected = results[f"{name}_got"], results[f"{name}_expected"]
+            assert got.shape == expected.shape, name
+            np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5,
+                                       err_msg=f"{name}, rank {rank}")
+
+
+# ---- Training: the same weights as one process (horovodrun -np 2 and 4) ---------------
+
+TRAIN_SCRIPT = REPO / "tests" / "hvd_scripts" / "tensor_parallel_train.py"
+
+
+def _train(tmp_path, tag, ranks, *flags):
+    return run_and_load(TRAIN_SCRIPT, tmp_path, tag, ranks, *flags)
+
+
+def _count(result):
+    return len([key for key in result if key.startswith("weight_")])
+
+
+def _assert_slices_join_to(results, tensor, oracle, atol):
+    """Each tensor group's slices join into the oracle's weights; replicas agree exactly."""
+    from tfgpt.distributed.tensor_parallel import join_slices
+
+    assert _count(results[0]) == _count(oracle)
+    for first in range(0, len(results), tensor):
+        group = results[first:first + tensor]
+        for index in range(_count(oracle)):
+            name = f"weight_{index}"
+            if f"rule_{index}" in group[0]:
+                whole = join_slices([r[name] for r in group], tuple(group[0][f"rule_{index}"]))
+            else:
+                whole = group[0][name]
+                for other in group[1:]:  # replicated: identical on every rank of the group
+                    np.testing.assert_array_equal(other[name], whole, err_msg=name)
+            np.testing.assert_allclose(whole, oracle[name], rtol=0, atol=atol,
+                                       err_msg=f"{name}, ranks {first}-{first + tensor - 1}")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks, flags", [
+    (2, ["--clip", "0.5"]),  # TP2: the clipping needs the global gradient norm
+    (2, ["--untied"]),  # a vocabulary-parallel lm_head of its own
+    (4, ["--clip", "0.5"]),  # TP2 x DP2: gradients averaged over the data groups
+])
+def test_tensor_parallel_training_matches_one_process(tmp_path, ranks, flags):
+    oracle = _train(tmp_path, "one", 0, *flags)[0]
+    results = _train(tmp_path, "split", ranks, "--tensor", "2", *flags)
+    # Split: per block the heads' projections in and out (3 variables), the
+    # MLP's (3); the token embedding, and an untied lm_head.
+    split = len([key for key in results[0] if key.startswith("rule_")])
+    assert split == 2 * 6 + 1 + ("--untied" in flags)
+    for result in results:
+        np.testing.assert_allclose(result["losses"], oracle["losses"], rtol=0, atol=1e-5)
+        np.testing.assert_allclose(result["norms"], oracle["norms"], rtol=0, atol=1e-5)
+    assert not np.allclose(oracle["losses"][0], oracle["losses"][-1])  # it trained
+    _assert_slices_join_to(results, 2, oracle, atol=1e-5)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_tensor_parallel_dropout_is_deterministic_and_equal_where_replicated(tmp_path):
+    first = _train(tmp_path, "first", 2, "--dropout", "0.2")
+    second = _train(tmp_path, "second", 2, "--dropout", "0.2")
+    np.testing.assert_array_equal(first[0]["losses"], second[0]["losses"])
+    np.testing.assert_array_equal(first[1]["losses"], second[1]["losses"])
+    # Replicated regions drew the same masks: their parameters stayed equal
+    # on both ranks after 6 steps (asserted inside); the split regions (the
+    # attention probabilities) drew from their own seeds.
+    for index in range(_count(first[0])):
+        if f"rule_{index}" not in first[0]:
+            np.testing.assert_array_equal(first[0][f"weight_{index}"], first[1][f"weight_{index}"])
+    split = first[0]["split_seeds"]
+    assert split.sum() == 2  # one per block
+    seeds_differ = (first[0]["seeds"] != first[1]["seeds"]).any(axis=1)
+    np.testing.assert_array_equal(seeds_differ, split)

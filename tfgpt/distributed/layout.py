@@ -1,0 +1,120 @@
+"""Which rank does what in a data × pipeline × tensor parallel run.
+
+`N = data * pipeline * tensor` ranks, numbered with the tensor index
+innermost, then the pipeline stage, then the data replica:
+
+    rank = (data_index * pipeline + pipeline_index) * tensor + tensor_index
+
+so a tensor group (the ranks that hold the slices of the same blocks and
+exchange activations at every layer) is `tensor` consecutive ranks, the
+ones most likely to share a machine. A data group is the ranks with the
+same pipeline stage and tensor slice, one per data replica: the ranks that
+average their gradients. Importing this module does not import TensorFlow
+or Horovod; `ParallelLayout.process_sets` builds the Horovod process sets.
+"""
+
+import dataclasses
+
+from tfgpt.config.checks import require_positive_int
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelLayout:
+    """The rank layout of a run: `size` ranks as data × pipeline × tensor.
+
+    Args:
+        size: int. Ranks in the run (`horovodrun -np N`).
+        tensor: int. Ranks that split each block's heads, feed-forward width
+            and vocabulary (`--tensor-parallel`).
+        pipeline: int. Pipeline stages, each holding consecutive blocks
+            (1: every rank holds every block).
+
+    The data-parallel size `data = size / (pipeline * tensor)` follows.
+
+    Example:
+    >>> layout = ParallelLayout(size=4, tensor=2)
+    >>> layout.data, layout.tensor_group(3), layout.data_group(3)
+    (2, [2, 3], [1, 3])
+    """
+
+    size: int
+    tensor: int = 1
+    pipeline: int = 1
+
+    def __post_init__(self):
+        require_positive_int("size", self.size)
+        require_positive_int("tensor_parallel", self.tensor)
+        require_positive_int("pipeline_parallel", self.pipeline)
+        if self.size % (self.tensor * self.pipeline):
+            raise ValueError(
+                "The number of ranks must be data x pipeline x tensor: --tensor-parallel "
+                f"{self.tensor} x pipeline {self.pipeline} does not divide the {self.size} "
+                f"rank(s) of horovodrun -np {self.size}. Received: size={self.size}, "
+                f"tensor_parallel={self.tensor}, pipeline_parallel={self.pipeline}"
+            )
+
+    @property
+    def data(self):
+        """Data-parallel replicas: the ranks that read different batches."""
+        return self.size // (self.tensor * self.pipeline)
+
+    def coordinates(self, rank):
+        """`(data_index, pipeline_index, tensor_index)` of `rank`."""
+        if not 0 <= rank < self.size:
+            raise ValueError(f"`rank` must be in [0, {self.size}). Received: rank={rank}")
+        replica, tensor_index = divmod(rank, self.tensor)
+        data_index, pipeline_index = divmod(replica, self.pipeline)
+        return data_index, pipeline_index, tensor_index
+
+    def rank_of(self, data_index, pipeline_index, tensor_index):
+        """The rank at these coordinates."""
+        return (data_index * self.pipeline + pipeline_index) * self.tensor + tensor_index
+
+    def tensor_group(self, rank):
+        """The ranks that hold the other slices of `rank`'s blocks, in slice order."""
+        data_index, pipeline_index, _ = self.coordinates(rank)
+        return [self.rank_of(data_index, pipeline_index, t) for t in range(self.tensor)]
+
+    def data_group(self, rank):
+        """The ranks that hold what `rank` holds, one per data replica: they average gradients."""
+        _, pipeline_index, tensor_index = self.coordinates(rank)
+        return [self.rank_of(d, pipeline_index, tensor_index) for d in range(self.data)]
+
+    def tensor_groups(self):
+        """Every tensor group, by its first rank."""
+        return [self.tensor_group(rank) for rank in range(0, self.size, self.tensor)]
+
+    def data_groups(self):
+        """Every data group, in the order of the rank of their first member."""
+        return [self.data_group(rank) for rank in range(self.pipeline * self.tensor)]
+
+    def describe(self, rank=None):
+        """The start-up line: the sizes and, for `rank` (or all), which slice it holds."""
+        ranks = range(self.size) if rank is None else [rank]
+        parts = []
+        for each in ranks:
+            data_index, pipeline_index, tensor_index = self.coordinates(each)
+            parts.append(
+                f"rank {each}: data replica {data_index}, "
+                + (f"stage {pipeline_index}, " if self.pipeline > 1 else "")
+                + f"tensor slice {tensor_index + 1}/{self.tensor}"
+            )
+        return (
+            f"layout: {self.size} rank(s) = data {self.data} x pipeline {self.pipeline} x "
+            f"tensor {self.tensor} (tensor groups {self.tensor_groups()}); " + "; ".join(parts)
+        )
+
+    def process_sets(self, hvd, rank):
+        """`(tensor_set, data_set)` of `rank`: Horovod process sets, or None for one rank.
+
+        Every rank registers every group in the same order (Horovod's
+        `add_process_set` is collective), which needs
+        `HOROVOD_DYNAMIC_PROCESS_SETS=1` before `hvd.init()`.
+        """
+        # A group of every rank is Horovod's global set, which exists already.
+        sets = {tuple(range(self.size)): hvd.global_process_set}
+        for group in self.tensor_groups() + self.data_groups():
+            if len(group) > 1 and tuple(group) not in sets:
+                sets[tuple(group)] = hvd.add_process_set(group)
+        return (sets.get(tuple(self.tensor_group(rank))),
+                sets.get(tuple(self.data_group(rank))))

@@ -1,0 +1,318 @@
+"""Tensor-parallel checkpoints: each slice writes its part; merged into or split from whole ones.
+
+A checkpoint of a `--tensor-parallel T` run at step S is, in the run
+directory:
+
+- `tensor/ckpt-S/slice-I-of-T.*`, one per slice, written by the ranks of
+  the first data replica: a `tf.train.Checkpoint` of the slice's model,
+  optimizer (its moments are the slice's) and dropout states;
+- `ckpt-S.*`, the chief's, with the step, through the same
+  `CheckpointManager` as every run: its index names `ckpt-S` only once
+  every slice is on disk, so a run killed mid-save resumes from the
+  previous complete checkpoint.
+
+`merge` turns such a directory into an ordinary (single-worker)
+checkpoint, and `split` an ordinary one into any T, so a model trained
+on one layout resumes or is fine-tuned on another; `restore_whole` reads
+the slices straight into a whole model (`tfgpt.loading`, so generate,
+export and convert read tensor-parallel runs as they are). Joining and
+cutting follow each variable's split rule
+(`tfgpt.distributed.tensor_parallel.take_slice`).
+
+    python -m tfgpt.training.tensor_checkpoint merge RUN OUT
+    python -m tfgpt.training.tensor_checkpoint split RUN OUT --tensor-parallel 2
+"""
+
+import argparse
+import dataclasses
+import os
+import shutil
+
+import tensorflow as tf
+
+from tfgpt.cli import HelpFormatter
+from tfgpt.config import FAMILIES
+from tfgpt.config.training import TrainConfig
+from tfgpt.distributed.tensor_parallel import (
+    TensorSlice, join_slices, slice_scope, split_rules, split_seed_states, take_slice,
+)
+from tfgpt.distributed.zero import slot_variables
+from tfgpt.training.checkpointing import CONFIG_FILE, Checkpointer, read_config
+from tfgpt.training.checkpointing import write_json_atomically
+
+SLICES_DIRECTORY = "tensor"
+
+
+def step_of(checkpoint_path):
+    """The step number of a `.../ckpt-S` checkpoint prefix."""
+    return int(checkpoint_path.rsplit("-", 1)[1])
+
+
+def slices_directory(directory, step):
+    return os.path.join(directory, SLICES_DIRECTORY, f"ckpt-{int(step)}")
+
+
+def slice_prefix(directory, step, index, size):
+    return os.path.join(slices_directory(directory, step), f"slice-{index:03d}-of-{size:03d}")
+
+
+def slice_count(directory, step):
+    """T of the tensor-parallel checkpoint at `step`, or None for a whole one."""
+    root = slices_directory(directory, step)
+    if not os.path.isdir(root):
+        return None
+    sizes = {int(name.split("-of-")[1].split(".")[0])
+             for name in os.listdir(root) if name.startswith("slice-")}
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def split_elsewhere_error(path, found, wanted):
+    """The error for a checkpoint of another layout than this run's."""
+    what = {None: "a whole model (no --tensor-parallel)"}.get(found, f"--tensor-parallel {found}")
+    command = ("merge RUN OUT" if wanted in (None, 1)
+               else f"split RUN OUT --tensor-parallel {wanted}")
+    return ValueError(
+        f"{path} was written by {what}; this run is "
+        + ("whole" if wanted in (None, 1) else f"--tensor-parallel {wanted}")
+        + f": convert it first with python -m tfgpt.training.tensor_checkpoint {command}"
+    )
+
+
+def _trackables(model, optimizer):
+    from tfgpt.training.loop import seed_generator_states
+
+    return dict(model=model, optimizer=optimizer, rng=seed_generator_states(model))
+
+
+class TensorParallelCheckpointer:
+    """Saves and restores a tensor-parallel run: slices first, the chief's index last.
+
+    Args:
+        checkpointer: the chief's `Checkpointer` of the step.
+        model, optimizer: this rank's slice of them.
+        distribution: `HorovodDistribution` with a `tensor_slice`.
+    """
+
+    def __init__(self, checkpointer, model, optimizer, distribution):
+        self.checkpointer = checkpointer
+        self.directory = checkpointer.directory
+        self.distribution = distribution
+        self.tensor_slice = distribution.tensor_slice
+        self.slice_checkpoint = tf.train.Checkpoint(**_trackables(model, optimizer))
+
+    @property
+    def latest(self):
+        return self.checkpointer.latest
+
+    def write_run_files(self, config, tokenizer_path=None):
+        self.checkpointer.write_run_files(config, tokenizer_path)
+
+    def save(self, step):
+        """Every slice of the first data replica writes its part; then the chief's index."""
+        if self.distribution.data_shard()[0] == 0:
+            self.slice_checkpoint.write(
+                slice_prefix(self.directory, step, self.tensor_slice.index, self.tensor_slice.size)
+            )
+        self.distribution.allreduce_mean(tf.constant(0.0))  # barrier: every slice on disk
+        path = self.checkpointer.save(step)
+        if path:
+            kept = {step_of(kept_path) for kept_path in self.checkpointer.manager.checkpoints}
+            root = os.path.join(self.directory, SLICES_DIRECTORY)
+            for name in os.listdir(root):
+                if name.startswith("ckpt-") and int(name.split("-")[1]) not in kept:
+                    shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        return path
+
+    def restore_latest(self):
+        """Restores the newest checkpoint, which must have this run's T; returns its path."""
+        path = self.latest
+        if not path:
+            return None
+        step = step_of(path)
+        found = slice_count(self.directory, step)
+        if found != self.tensor_slice.size:
+            raise split_elsewhere_error(path, found, self.tensor_slice.size)
+        self.checkpointer.checkpoint.restore(path).assert_existing_objects_matched()
+        prefix = slice_prefix(self.directory, step, self.tensor_slice.index, found)
+        self.slice_checkpoint.read(prefix).assert_existing_objects_matched()
+        return path
+
+
+# ---- Merging and splitting (one process, no Horovod) ----------------------------------
+
+
+def _run_configs(directory):
+    record = read_config(directory)
+    family = record["family"]
+    model_config = FAMILIES[family].config_class(**record["model"])
+    names = {field.name for field in dataclasses.fields(TrainConfig)}
+    train_config = TrainConfig(**{k: v for k, v in record["train"].items() if k in names})
+    return record, family, model_config, train_config
+
+
+def _build(family, model_config, train_config, tensor_slice=None):
+    """A model (a slice of it, with `tensor_slice`) and its built optimizer."""
+    from tfgpt.training.objectives import build_model
+    from tfgpt.training.optimizers import make_optimizer
+
+    with slice_scope(tensor_slice):
+        model = build_model(family, model_config, dtype="float32")
+    optimizer = make_optimizer(train_config, 1)
+    optimizer.build(model.trainable_variables)
+    return model, optimizer
+
+
+def _pairs(model, optimizer):
+    """`[(variable, rule or None)]`: every variable a checkpoint holds, in a fixed order.
+
+    The trainable variables, their optimizer moments (split like their
+    variable), the optimizer's other variables and the dropout states.
+    """
+    from tfgpt.training.loop import seed_generator_states
+
+    rules = split_rules(model)
+    trainable = model.trainable_variables
+    pairs = [(v, rules.get(id(v))) for v in trainable]
+    slots = slot_variables(optimizer)
+    for moments in slots.values():
+        pairs += [(m, rules.get(id(v))) for m, v in zip(moments, trainable)]
+    in_slots = {id(m) for moments in slots.values() for m in moments}
+    pairs += [(v, None) for v in optimizer.variables if id(v) not in in_slots]
+    pairs += [(v, None) for v in seed_generator_states(model)]
+    return pairs
+
+
+def _slices(directory, step, size, family, model_config, train_config):
+    """The `size` slice models and optimizers of `directory`'s checkpoint at `step`."""
+    built = []
+    for index in range(size):
+        model, optimizer = _build(family, model_config, train_config,
+                                  TensorSlice(None, None, size, index))
+        tf.train.Checkpoint(**_trackables(model, optimizer)).read(
+            slice_prefix(directory, step, index, size)).assert_existing_objects_matched()
+        built.append((model, optimizer))
+    return built
+
+
+def _offset_seeds(model, tensor_slice):
+    """Gives the split regions' dropouts of a slice `model` the slice's own streams."""
+    for state in split_seed_states(model):
+        tensor_slice.offset_seed(state)
+
+
+def _join_into(whole_pairs, slice_pairs):
+    """Assigns to the whole model's variables the join of their slices (rules: the slices')."""
+    for position, (variable, _) in enumerate(whole_pairs):
+        parts = [pairs[position][0].numpy() for pairs in slice_pairs]
+        rule = slice_pairs[0][position][1]
+        variable.assign(parts[0] if rule is None else join_slices(parts, rule))
+
+
+def restore_whole(directory, path, model):
+    """Reads the slices of the tensor-parallel checkpoint `path` into the whole `model`."""
+    _, family, model_config, train_config = _run_configs(directory)
+    step = step_of(path)
+    size = slice_count(directory, step)
+    slices = _slices(directory, step, size, family, model_config, train_config)
+    rules = split_rules(slices[0][0])
+    for index, variable in enumerate(model.trainable_variables):
+        parts = [m.trainable_variables[index].numpy() for m, _ in slices]
+        rule = rules.get(id(slices[0][0].trainable_variables[index]))
+        variable.assign(parts[0] if rule is None else join_slices(parts, rule))
+
+
+def _copy_run_files(source, target, record):
+    os.makedirs(target, exist_ok=True)
+    write_json_atomically(os.path.join(target, CONFIG_FILE), record)
+    for name in os.listdir(source):
+        path = os.path.join(source, name)
+        if name == "data" and os.path.isdir(path):  # the input pipelines' positions
+            shutil.copytree(path, os.path.join(target, name), dirs_exist_ok=True)
+        elif name.startswith("tokenizer") or name == "vocab.txt":
+            shutil.copyfile(path, os.path.join(target, name))
+
+
+def merge(directory, out):
+    """Writes `directory`'s latest tensor-parallel checkpoint as an ordinary one in `out`.
+
+    Returns the written checkpoint's path.
+    """
+    record, family, model_config, train_config = _run_configs(directory)
+    path = tf.train.latest_checkpoint(directory)
+    step = step_of(path)
+    size = slice_count(directory, step)
+    if size is None:
+        raise ValueError(f"{path} is an ordinary checkpoint already: nothing to merge")
+    # Slice 0's dropout states are the whole model's (the others' split
+    # dropouts are offset from them).
+    slices = _slices(directory, step, size, family, model_config, train_config)
+    model, optimizer = _build(family, model_config, train_config)
+    _join_into(_pairs(model, optimizer), [_pairs(m, o) for m, o in slices])
+    record["train"]["tensor_parallel"] = 1
+    _copy_run_files(directory, out, record)
+    from tfgpt.training.loop import seed_generator_states
+
+    step_variable = tf.Variable(step, dtype=tf.int64)
+    return Checkpointer(out, True, model=model, optimizer=optimizer, step=step_variable,
+                        rng=seed_generator_states(model)).save(step)
+
+
+def split(directory, out, size):
+    """Writes `directory`'s latest ordinary checkpoint as `size` slices in `out`.
+
+    Returns the written checkpoint's path.
+    """
+    record, family, model_config, train_config = _run_configs(directory)
+    path = tf.train.latest_checkpoint(directory)
+    step = step_of(path)
+    if slice_count(directory, step) is not None:
+        raise split_elsewhere_error(path, slice_count(directory, step), None)
+    from tfgpt.distributed.tensor_parallel import check_run
+    from tfgpt.training.loop import seed_generator_states
+
+    check_run(size, family, model_config, train_config)
+    model, optimizer = _build(family, model_config, train_config)
+    step_variable = tf.Variable(0, dtype=tf.int64)
+    tf.train.Checkpoint(model=model, optimizer=optimizer, step=step_variable,
+                        rng=seed_generator_states(model)).read(path).assert_existing_objects_matched(
+                        ).expect_partial()  # the manager's save counter
+    whole_pairs = _pairs(model, optimizer)
+    for index in range(size):
+        tensor_slice = TensorSlice(None, None, size, index)
+        part, part_optimizer = _build(family, model_config, train_config, tensor_slice)
+        for (variable, rule), (whole, _) in zip(_pairs(part, part_optimizer), whole_pairs):
+            value = whole.numpy()
+            variable.assign(value if rule is None else take_slice(value, rule, size, index))
+        _offset_seeds(part, tensor_slice)
+        tf.train.Checkpoint(**_trackables(part, part_optimizer)).write(
+            slice_prefix(out, step, index, size))
+    record["train"]["tensor_parallel"] = size
+    _copy_run_files(directory, out, record)
+    return Checkpointer(out, True, step=step_variable).save(step)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        prog="python -m tfgpt.training.tensor_checkpoint", description=__doc__,
+        formatter_class=HelpFormatter,
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    merging = commands.add_parser("merge", help="tensor-parallel run -> ordinary checkpoint")
+    splitting = commands.add_parser("split", help="ordinary run -> --tensor-parallel T slices")
+    for command in (merging, splitting):
+        command.add_argument("run", help="the run directory (its latest checkpoint)")
+        command.add_argument("out", help="the new run directory")
+    splitting.add_argument("--tensor-parallel", type=int, required=True, metavar="T")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "merge":
+            path = merge(args.run, args.out)
+        else:
+            path = split(args.run, args.out, args.tensor_parallel)
+    except (ValueError, FileNotFoundError) as error:
+        parser.exit(2, f"error: {error}\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
