@@ -27,9 +27,18 @@ class LocalDistribution:
     towers = 1
     # ZeRO stage (Horovod's --zero-stage; tfgpt.distributed.zero): 0, nothing sharded.
     zero_stage = 0
+    # Horovod's data x pipeline layout (`tfgpt.distributed.parallel_layout`);
+    # None: every replica holds the whole model.
+    layout = None
     # The front end's options (`tfgpt.config.distribution`) it was created
     # with; written into the run's config.json beside the run config.
     options = None
+
+    @property
+    def data_parallel_size(self):
+        """Replicas that each see their own part of the data (`size` unless a
+        pipeline's stages share one replica's batches)."""
+        return self.layout.data if self.layout is not None else self.size
 
     def scope(self):
         return contextlib.nullcontext()

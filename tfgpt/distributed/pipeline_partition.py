@@ -9,8 +9,7 @@ blocks. Importing this module does not import TensorFlow.
 """
 
 from tfgpt.config.checks import require_one_of
-
-PARTITIONS = ("uniform", "balanced")
+from tfgpt.config.distribution import PIPELINE_PARTITIONS as PARTITIONS
 
 
 def check_partition(num_layers, parts):

@@ -45,9 +45,11 @@ rank 1 | .  F0 B0 F1 B1 F2 B2 .
 
 import collections
 
-from tfgpt.config.checks import require_one_of, require_positive_int
+from tfgpt.config.distribution import PIPELINE_SCHEDULES as SCHEDULES
+from tfgpt.config.distribution import check_pipeline_schedule
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+__all__ = ["SCHEDULES", "PipelineSchedule"]
+
 FORWARD, BACKWARD = "forward", "backward"
 
 # One operation of a rank: the forward or backward pass of one micro-batch
@@ -60,31 +62,6 @@ Operation = collections.namedtuple("Operation", "kind microbatch chunk")
 Transfer = collections.namedtuple(
     "Transfer", "source destination kind microbatch virtual_stage"
 )
-
-
-def check_schedule(schedule, stages, microbatches, virtual_stages):
-    """Raises ValueError unless the four fit together (flag names in the messages)."""
-    require_one_of("pipeline_schedule", schedule, SCHEDULES)
-    require_positive_int("pipeline_parallel", stages)
-    require_positive_int("microbatches", microbatches)
-    require_positive_int("virtual_stages", virtual_stages)
-    if schedule == "interleaved":
-        if virtual_stages < 2:
-            raise ValueError(
-                "--pipeline-schedule interleaved needs --virtual-stages of at least 2 "
-                f"(with 1 it is 1f1b). Received: virtual_stages={virtual_stages}"
-            )
-        if microbatches % stages:
-            raise ValueError(
-                "--pipeline-schedule interleaved takes micro-batches in groups of "
-                "--pipeline-parallel: --microbatches must be divisible by it. Received: "
-                f"microbatches={microbatches}, pipeline_parallel={stages}"
-            )
-    elif virtual_stages != 1:
-        raise ValueError(
-            f"--virtual-stages is for --pipeline-schedule interleaved; {schedule} runs one "
-            f"chunk per rank. Received: virtual_stages={virtual_stages}"
-        )
 
 
 def _gpipe_program(rank, stages, microbatches):
@@ -149,7 +126,7 @@ class PipelineSchedule:
     """
 
     def __init__(self, name, stages, microbatches, virtual_stages=1):
-        check_schedule(name, stages, microbatches, virtual_stages)
+        check_pipeline_schedule(name, stages, microbatches, virtual_stages)
         self.name = name
         self.stages = stages
         self.microbatches = microbatches

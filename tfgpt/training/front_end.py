@@ -33,12 +33,19 @@ class Command:
         return module.parse_flags(argv, description=description, options_class=options_class)
 
     def run(self, config, model_overrides, distribution):
-        """Runs the core; returns 0, or 2 after one `error:` line on stderr."""
+        """Runs the core; returns 0, or 2 after one `error:` line on stderr.
+
+        `distribution` is a distribution object, or a callable that makes
+        one (so that its refusals, such as sizes that do not fit the
+        number of workers, are one `error:` line too).
+        """
         from tfgpt.training.loop import TrainingDiverged
 
         module, name = self.core.split(":")
         core = getattr(importlib.import_module(module), name)
         try:
+            if callable(distribution):
+                distribution = distribution()
             core(config, model_overrides=model_overrides, distribution=distribution)
         except (ValueError, TrainingDiverged) as error:
             print(f"error: {error}", file=sys.stderr)

@@ -131,7 +131,7 @@ def build_model_and_optimizer(config, distribution, build_model, steps):
     with distribution.scope():
         model = build_model()
         optimizer = distribution.configure_optimizer(
-            make_optimizer(config, distribution.size, steps=steps)
+            make_optimizer(config, distribution.data_parallel_size, steps=steps)
         )
         step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
         zero = None
@@ -141,13 +141,24 @@ def build_model_and_optimizer(config, distribution, build_model, steps):
 
             distribution.broadcast_variables(model.variables)
             zero = ZeroSharding(stage, model, optimizer, distribution)
-        else:
+        elif not pipelined(distribution):
+            # (A pipeline builds it on its stage's variables: tfgpt.training.pipeline_run.)
             optimizer.build(model.trainable_variables)
     return model, optimizer, step, zero
 
 
+def pipelined(distribution):
+    """Whether the run is cut into pipeline stages (`--pipeline-parallel` above 1)."""
+    layout = getattr(distribution, "layout", None)
+    return layout is not None and layout.pipeline > 1
+
+
 def broadcast_state(distribution, model, optimizer, step, zero):
     """Makes rank 0's state every rank's: all of it, or under ZeRO what is not sharded."""
+    if pipelined(distribution):
+        # Every rank built the whole model from the seed; the optimizers differ by stage.
+        distribution.broadcast_variables(model.variables + [step])
+        return
     if zero is None:
         distribution.broadcast_variables(model.variables + optimizer.variables + [step])
         return
@@ -181,7 +192,7 @@ def state_line(model, distribution, zero):
     return line
 
 
-def _seed_generator_states(model):
+def seed_generator_states(model):
     # Dropout's random state lives in Keras SeedGenerators, which
     # tf.train.Checkpoint does not reach through the layers: list them.
     return [v.value for v in model.variables if "seed_generator_state" in v.path]
@@ -196,7 +207,7 @@ def make_checkpointer(config, distribution, model, optimizer, step, zero=None):
     """
     from tfgpt.training import sharded_checkpoint
 
-    rng = _seed_generator_states(model)
+    rng = seed_generator_states(model)
     replicated = dict(step=step, rng=rng,
                       optimizer_state=sharded_checkpoint.replicated_optimizer_variables(optimizer))
     if zero is not None:

@@ -17,7 +17,7 @@ import tensorflow as tf
 from pipelines import reader
 from tfgpt.config import FAMILIES, family_of_preset
 from tfgpt.layers.transformer_block import set_recompute
-from tfgpt.training import loop, objectives
+from tfgpt.training import loop, objectives, pipeline_run
 from tfgpt.training.checkpointing import Checkpointer, read_config
 from tfgpt.training.loop import TrainingDiverged
 from tfgpt.training.reporter import Reporter
@@ -164,14 +164,18 @@ def train(train_config, model_overrides, distribution):
     model_config = resolve_model_config(
         train_config, model_overrides, manifest, family, saved=saved
     )
+    pipelined = loop.pipelined(distribution)
+    if pipelined:
+        pipeline_run.check_pipeline_run(train_config, distribution.options, family, model_config)
     _check_batch_sizes(train_config, manifest, distribution)
     report = Reporter(out, distribution.is_chief)
     sequence_length = manifest["seq_len"]
-    global_batch = train_config.batch_size * train_config.accumulation_steps * distribution.size
+    global_batch = (train_config.batch_size * train_config.accumulation_steps
+                    * distribution.data_parallel_size)
     towers = loop.towers_of(train_config, distribution)
     report.info(
         f"tfgpt: {family} {task.name}, {distribution.num_workers} worker(s), "
-        f"{distribution.size} replica(s), "
+        f"{distribution.data_parallel_size} replica(s), "
         f"global batch {global_batch} x "
         f"{sequence_length} tokens ({train_config.batch_size} per replica x "
         f"{train_config.accumulation_steps} accumulated), {train_config.steps} steps, "
@@ -192,16 +196,22 @@ def train(train_config, model_overrides, distribution):
         raise ValueError(
             f"--recompute recomputes transformer blocks; --preset {train_config.preset} has none"
         )
-    train_step = TrainStep(
-        model,
-        optimizer,
-        distribution,
-        loss_fn=task.loss,
-        xla=train_config.xla,
-        accumulation_steps=train_config.accumulation_steps,
-        towers=towers,
-        zero=zero,
-    )
+    if pipelined:
+        # Horovod: each rank trains its stage; micro-batches flow through the pipeline.
+        stage, train_step = pipeline_run.build_pipeline(model, optimizer, distribution,
+                                                        sequence_length)
+        report.info(pipeline_run.describe(stage))
+    else:
+        train_step = TrainStep(
+            model,
+            optimizer,
+            distribution,
+            loss_fn=task.loss,
+            xla=train_config.xla,
+            accumulation_steps=train_config.accumulation_steps,
+            towers=towers,
+            zero=zero,
+        )
 
     # Data: each worker reads its own part, in an order fixed by the seed.
     def train_batches(seed, skip=0):
@@ -230,7 +240,12 @@ def train(train_config, model_overrides, distribution):
 
     # Checkpoints: the chief saves model, optimizer, step and dropout state;
     # every worker saves its own data position beside them.
-    checkpointer = loop.make_checkpointer(train_config, distribution, model, optimizer, step, zero)
+    if pipelined:
+        checkpointer = pipeline_run.PipelineCheckpointer(
+            train_config, distribution, stage, optimizer, step, loop.seed_generator_states(model))
+    else:
+        checkpointer = loop.make_checkpointer(train_config, distribution, model, optimizer, step,
+                                              zero)
     data_directory = os.path.join(
         out, "data", f"worker-{distribution.rank:05d}-of-{distribution.num_workers:05d}"
     )
