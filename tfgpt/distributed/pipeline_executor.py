@@ -3,7 +3,7 @@
 Horovod has no point-to-point send and receive (horovod/horovod#1224,
 #3418); an `alltoall` with splits serves as one. After each tick in which
 some rank sends, every rank of the pipeline calls the same `alltoall`
-(named after the tick, so ranks whose graphs differ still match it): a
+(named after the tick, so that every rank's call is matched): a
 rank that produced an activation or a gradient for another rank sends
 it, `rows` rows to that rank and none to the others, and every other rank
 sends zero rows. Which rank receives what, and at which offset, follows
@@ -57,9 +57,9 @@ class PipelineTrainStep:
             stage order.
         data_set: Horovod process set of this stage's data-parallel
             replicas, or None without data parallelism.
-        timed: bool. Also return `tick_times`: `(start, end)` of each busy
-            tick's computation, `time.perf_counter()` seconds
-            (`bench/pipeline_schedules.py`).
+        timed: bool. Also return `tick_times`, `(start, end)` of each busy
+            tick's computation, and `loop_time`, that of all the ticks
+            (`time.perf_counter()` seconds; `bench/pipeline_schedules.py`).
 
     Calling it with `(inputs, targets)` returns `loss` (the batch's mean
     loss, on every rank) and `gradient_norm`.
@@ -153,6 +153,7 @@ class PipelineTrainStep:
                          self.stage.model.compute_dtype)
         received, saved, losses, times = {}, {}, [], []
         gradients = [None] * len(self.variables)
+        loop_begin = time.perf_counter()
         for tick in range(self.schedule.ticks):
             operation = self.schedule.timetable[self.stage.rank][tick]
             outgoing = None
@@ -171,6 +172,7 @@ class PipelineTrainStep:
                 times.append((begin, time.perf_counter()))
             if self.schedule.transfers[tick]:
                 self._exchange(tick, outgoing, rows, empty, received)
+        loop_time = (loop_begin, time.perf_counter())
         gradients = [tf.zeros_like(v.value) if g is None else g
                      for v, g in zip(self.variables, gradients)]
         gradients = self._sum_tied_table(gradients)
@@ -182,7 +184,7 @@ class PipelineTrainStep:
         self._update(gradients, gradient_norm)
         result = {"loss": loss, "gradient_norm": gradient_norm}
         if self.timed:
-            result["tick_times"] = times
+            result["tick_times"], result["loop_time"] = times, loop_time
         return result
 
     def _update_fn(self, gradients, gradient_norm):
