@@ -8,9 +8,11 @@ to JSON files that this process collects and prints as tables:
   v = 2) trains `--steps` steps per schedule and micro-batch count M; on
   each rank the executor times each busy tick's computation and the whole
   tick loop. The measured bubble is (loop time - busy time) / busy time,
-  per stage, the last step's; beside it the schedule's tick count
-  (idle / busy ticks) and the theory, (P - 1) / M, divided by v for
-  interleaved. Measured time includes the exchanges (one Horovod cycle,
+  per stage, the last step's, and over both stages (the sum of idle time
+  over the sum of busy time); beside it the schedule's tick count (idle /
+  busy ticks) and the theory, (P - 1) / M, divided by v for interleaved.
+  The stages differ when their passes take different times: the stage
+  that waits for a slower one idles more. Measured time includes the exchanges (one Horovod cycle,
   1 ms, each) and the backward ticks' being about twice the forward's.
 - memory (`--memory`): GPipe and 1F1B at the same M; each rank's peak
   resident set above its resident set at the start of a step (VmHWM
@@ -133,18 +135,21 @@ def bubble_table(args):
     for schedule in ("gpipe", "1f1b", "interleaved"):
         for count in (1, 2, 4, 8):
             if schedule == "interleaved" and count % 2:
-                rows.append([schedule, count, "refused: M must be divisible by P", "", "", ""])
+                rows.append([schedule, count, "refused: M must be divisible by P", "", "", "", ""])
                 continue
             ranks = _job("--mode", "pp", "--schedule", schedule, "--microbatches", count,
                          "--batch-size", args.batch_size, "--sequence-length", 256,
                          "--steps", args.steps)
             measured = [(r["loop"] - r["busy"]) / r["busy"] for r in ranks]
+            busy = sum(r["busy"] for r in ranks)
+            pooled = (sum(r["loop"] for r in ranks) - busy) / busy
             rows.append([schedule, count, f"{ranks[0]['theory']:.3f}",
-                         f"{ranks[0]['tick_bubble']:.3f}",
+                         f"{ranks[0]['tick_bubble']:.3f}", f"{pooled:.3f}",
                          " / ".join(f"{value:.3f}" for value in measured),
                          f"{ranks[0]['loop']:.2f}"])
             print(rows[-1], flush=True)
-    print_table(["schedule", "M", "theory", "ticks", "measured stage 0 / 1", "step s"], rows)
+    print_table(["schedule", "M", "theory", "ticks", "measured", "stage 0 / 1", "ticks s"],
+                rows)
 
 
 def memory_table(args):
