@@ -61,6 +61,26 @@ def horovodrun(num_workers, *command, timeout=TIMEOUT_SECONDS, env=None):
 
 
 
+def train_check_script(script, out, tag, ranks, *flags):
+    """Runs a check script that writes OUT/<tag>-rank-R.npz per rank: under
+    `horovodrun -np ranks`, or (`ranks` 0) alone with `--global`, the
+    one-process oracle. Returns the loaded files, one per rank."""
+    import numpy as np
+
+    if ranks == 0:
+        code, output = run([sys.executable, script, out, tag, "--global", *flags])
+    else:
+        code, output = horovodrun(ranks, script, out, tag, *flags)
+    assert code == 0, output
+    return [np.load(out / f"{tag}-rank-{rank}.npz") for rank in range(max(ranks, 1))]
+
+
+def saved_weights(result):
+    """The `weight_0`, `weight_1`, ... arrays of a check script's file, in order."""
+    keys = sorted((k for k in result if k.startswith("weight_")), key=lambda k: int(k[7:]))
+    return [result[key] for key in keys]
+
+
 def multi_worker(count, *command, timeout=TIMEOUT_SECONDS):
     """Runs `python command...` as `count` MultiWorkerMirrored workers on localhost.
 

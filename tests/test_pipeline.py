@@ -6,12 +6,11 @@ batch cut into micro-batches) and compare the final weights with one
 process trained through `TrainStep` on the same batches (`--global`).
 """
 
-import sys
 
 import numpy as np
 import pytest
 
-from tests.launch import REPO, horovodrun, run
+from tests.launch import REPO, horovodrun, saved_weights, train_check_script
 
 SCRIPT = REPO / "tests" / "hvd_scripts" / "pipeline_check.py"
 
@@ -89,17 +88,10 @@ def test_stage_variables_cover_the_model_once_but_the_tied_table():
 
 
 def _train(tmp_path, tag, ranks, *flags):
-    if ranks == 0:
-        code, output = run([sys.executable, SCRIPT, tmp_path, tag, "--global", *flags])
-    else:
-        code, output = horovodrun(ranks, SCRIPT, tmp_path, tag, *flags)
-    assert code == 0, output
-    return [np.load(tmp_path / f"{tag}-rank-{rank}.npz") for rank in range(max(ranks, 1))]
+    return train_check_script(SCRIPT, tmp_path, tag, ranks, *flags)
 
 
-def _weights(result):
-    keys = sorted((k for k in result if k.startswith("weight_")), key=lambda k: int(k[7:]))
-    return [result[key] for key in keys]
+_weights = saved_weights
 
 
 def _assert_same_training(results, oracle, what):

@@ -50,6 +50,19 @@ def test_train_mirrored_refuses_pipeline_flags_naming_train_hvd(capsys):
             in capsys.readouterr().err)
 
 
+def test_fine_tuning_refuses_a_pipeline():
+    import types
+
+    from tfgpt.config.finetuning import FinetuneConfig
+    from tfgpt.distributed.parallel_layout import ParallelLayout
+    from tfgpt.finetuning.finetuner import finetune
+
+    distribution = types.SimpleNamespace(layout=ParallelLayout(2, 0, pipeline=2))
+    config = FinetuneConfig(train_file="t", init="i")
+    with pytest.raises(ValueError, match=r"--pipeline-parallel 2 cuts a GPT for pretraining"):
+        finetune(config, {}, distribution)
+
+
 def test_pipeline_runs_lower_the_horovod_cycle_time_unless_it_is_set():
     script = (
         "import os\n"

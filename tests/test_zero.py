@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.launch import REPO, horovodrun, run
+from tests.launch import REPO, horovodrun, run, saved_weights, train_check_script
 
 SCRIPT = REPO / "tests" / "hvd_scripts" / "zero_check.py"
 TINY_MODEL = [
@@ -57,17 +57,10 @@ def test_state_bytes_per_stage_at_two_ranks():
 
 
 def _train(tmp_path, tag, ranks, *flags):
-    if ranks == 0:
-        code, output = run([sys.executable, SCRIPT, tmp_path, tag, "--global", *flags])
-    else:
-        code, output = horovodrun(ranks, SCRIPT, tmp_path, tag, *flags)
-    assert code == 0, output
-    return [np.load(tmp_path / f"{tag}-rank-{rank}.npz") for rank in range(max(ranks, 1))]
+    return train_check_script(SCRIPT, tmp_path, tag, ranks, *flags)
 
 
-def _weights(result):
-    return [result[key] for key in sorted((k for k in result if k.startswith("weight_")),
-                                          key=lambda k: int(k.split("_")[1]))]
+_weights = saved_weights
 
 
 def _assert_weights_close(results, oracle, atol, what):

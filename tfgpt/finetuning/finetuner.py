@@ -69,6 +69,11 @@ def finetune(config, model_overrides=None, distribution=None):
         from tfgpt.distributed.local import LocalDistribution
 
         distribution = LocalDistribution()
+    if loop.pipelined(distribution):
+        raise ValueError(
+            f"--pipeline-parallel {distribution.layout.pipeline} cuts a GPT for pretraining "
+            "(train_hvd.py); fine-tuning runs the whole encoder on every worker"
+        )
     model_overrides = dict(model_overrides or {})
     out = config.out
 
