@@ -15,9 +15,12 @@ to JSON files that this process collects and prints as tables:
   that waits for a slower one idles more. Measured time includes the exchanges (one Horovod cycle,
   1 ms, each) and the backward ticks' being about twice the forward's.
 - memory (`--memory`): GPipe and 1F1B at the same M; each rank's peak
-  resident set above its resident set at the start of a step (VmHWM
-  reset through /proc/self/clear_refs), the second step's, and the
-  schedule's in-flight micro-batches per stage.
+  of TensorFlow's CPU allocator during a step above what it held at the
+  step's start (`tf.config.experimental.get_memory_info("CPU:0")`, peak
+  reset before the step), the second step's: the activations kept for the
+  backward passes, the gradients and the step's temporaries. (The
+  process's resident set does not show it: the allocator keeps the first
+  step's memory.) Beside it the schedule's in-flight micro-batches.
 - tokens/s (`--throughput`): the same global batch by one pipeline of 2
   stages (PP2, 1F1B, M = `--microbatches`) and by 2 data-parallel
   workers (DP2, tfgpt's TrainStep with its Horovod allreduce), for each
@@ -53,7 +56,6 @@ def _worker(args):
     import numpy as np
     import tensorflow as tf
 
-    from bench.memory import _reset_peak, _status_kib
     from tfgpt import GPT
     from tfgpt.config.distribution import HorovodOptions
     from tfgpt.config.training import TrainConfig
@@ -95,15 +97,17 @@ def _worker(args):
 
         optimizer.build(model.trainable_variables)
         step = TrainStep(model, optimizer, distribution)
-    figures = {"rank": distribution.rank, "seconds": [], "peak_above_entry_kib": []}
+    figures = {"rank": distribution.rank, "seconds": [], "peak_above_entry_mib": []}
     for _ in range(args.steps):
         distribution.allreduce_mean(tf.constant(0.0)).numpy()  # start together
-        entry, reset = _status_kib("VmRSS"), _reset_peak()
+        tf.config.experimental.reset_memory_stats("CPU:0")
+        entry = tf.config.experimental.get_memory_info("CPU:0")["current"]
         start = time.perf_counter()
         result = step(batch)
         float(result["loss"])
         figures["seconds"].append(time.perf_counter() - start)
-        figures["peak_above_entry_kib"].append(_status_kib("VmHWM") - entry if reset else None)
+        peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+        figures["peak_above_entry_mib"].append((peak - entry) / 2**20)
         if pipelined:
             busy = sum(end - begin for begin, end in result["tick_times"])
             begin, end = result["loop_time"]
@@ -158,7 +162,7 @@ def memory_table(args):
         ranks = _job("--mode", "pp", "--schedule", schedule, "--microbatches", 8,
                      "--batch-size", args.batch_size, "--sequence-length", 256, "--steps", 2)
         rows.append([schedule, 8] + [
-            f"{r['peak_above_entry_kib'][-1] / 1024:.0f} MiB ({r['in_flight']:.0f} in flight)"
+            f"{r['peak_above_entry_mib'][-1]:.0f} MiB ({r['in_flight']:.0f} in flight)"
             for r in ranks])
         print(rows[-1], flush=True)
     print_table(["schedule", "M", "stage 0 step peak", "stage 1 step peak"], rows)

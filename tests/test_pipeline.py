@@ -121,11 +121,12 @@ def test_each_schedule_matches_one_process_with_clipping(tmp_path):
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_untied_balanced_and_awkward_microbatch_counts(tmp_path):
-    # M = 1 and M = 3 (not divisible by P = 2), untied head, 3 blocks
-    # split by FLOPs (the head's 2 V C on the last stage).
+    # M = 1 (fewer micro-batches than stages) and M = 3 (not divisible by
+    # P = 2), untied head, 3 blocks split by FLOPs (the head's 2 V C on the
+    # last stage).
     flags = ["--untied", "--layers", "3", "--partition", "balanced"]
     oracle = _train(tmp_path, "global", 0, *flags)[0]
-    for name, count in [("gpipe", "1"), ("1f1b", "3")]:
+    for name, count in [("gpipe", "1"), ("1f1b", "1"), ("1f1b", "3")]:
         results = _train(tmp_path, f"{name}-{count}", 2, "--schedule", name,
                          "--microbatches", count, *flags)
         _assert_same_training(results, oracle, f"{name} M={count}")
