@@ -11,6 +11,7 @@ the gradient norms.
 Usage: pipeline_check.py OUT TAG [--global] [--schedule gpipe|1f1b|interleaved]
 [--microbatches M] [--virtual-stages V] [--partition uniform|balanced]
 [--clip C] [--dropout R] [--untied] [--layers L] [--die-at-step K]
+[--precision off|bfloat16]
 """
 
 import argparse
@@ -22,6 +23,7 @@ import tensorflow as tf
 
 from tfgpt import GPT
 from tfgpt.config.training import TrainConfig
+from tfgpt.training.loop import POLICIES
 from tfgpt.training.optimizers import make_optimizer
 
 STEPS = 6
@@ -50,6 +52,7 @@ def main():
     parser.add_argument("--untied", action="store_true")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--die-at-step", type=int, default=0)
+    parser.add_argument("--precision", default="off")
     args = parser.parse_args()
 
     config = TrainConfig(
@@ -57,6 +60,7 @@ def main():
         gradient_clip_norm=args.clip, scale_learning_rate=False,
     )
     keras.utils.set_random_seed(7)
+    keras.config.set_dtype_policy(POLICIES[args.precision])
     model = GPT(vocabulary_size=VOCABULARY, num_layers=args.layers, num_heads=2, hidden_dim=8,
                 intermediate_dim=12, max_sequence_length=LENGTH, dropout=args.dropout,
                 tie_embeddings=not args.untied)

@@ -34,7 +34,7 @@ import time
 import tensorflow as tf
 
 from tfgpt.distributed.pipeline_schedule import BACKWARD, FORWARD
-from tfgpt.training.train_step import _dense
+from tfgpt.training.train_step import STEP_TIMES, _dense
 
 
 class PipelineTrainStep:
@@ -62,7 +62,10 @@ class PipelineTrainStep:
             (`time.perf_counter()` seconds; `bench/pipeline_schedules.py`).
 
     Calling it with `(inputs, targets)` returns `loss` (the batch's mean
-    loss, on every rank) and `gradient_norm`.
+    loss, on every rank), `gradient_norm` and `STEP_TIMES`
+    (`tfgpt.training.train_step`): the seconds of this rank's ticks'
+    computation, and of its waits (transfers, the other stages, the sums
+    over the pipeline) up to the update.
     """
 
     def __init__(self, stage, optimizer, pipeline_set, data_set=None, timed=False):
@@ -132,10 +135,15 @@ class PipelineTrainStep:
         splits = [0] * self.schedule.stages
         if mine:
             splits[mine[0].destination] = rows
+        sent = outgoing if mine else empty
+        # Horovod's alltoall takes no bfloat16: its bits travel as uint16.
+        bits = sent.dtype == tf.bfloat16
         output, _ = self._hvd.alltoall(
-            outgoing if mine else empty, splits=splits, name=f"pipeline_tick_{tick}",
-            process_set=self.pipeline_set,
+            tf.bitcast(sent, tf.uint16) if bits else sent, splits=splits,
+            name=f"pipeline_tick_{tick}", process_set=self.pipeline_set,
         )
+        if bits:
+            output = tf.bitcast(output, tf.bfloat16)
         # Rows arrive in the order of the sending ranks.
         incoming = sorted((t for t in transfers if t.destination == rank), key=lambda t: t.source)
         for offset, transfer in enumerate(incoming):
@@ -167,8 +175,9 @@ class PipelineTrainStep:
                 outgoing = self._backward(operation, received, saved, gradients)
                 finished = outgoing if outgoing is not None else next(
                     g for g in gradients if g is not None)
-            if self.timed and operation is not None:
-                _ = tf.reshape(finished, [-1])[:1].numpy()  # wait for the tick's last op
+            if operation is not None:
+                if self.timed:
+                    _ = tf.reshape(finished, [-1])[:1].numpy()  # wait for the tick's last op
                 times.append((begin, time.perf_counter()))
             if self.schedule.transfers[tick]:
                 self._exchange(tick, outgoing, rows, empty, received)
@@ -181,8 +190,13 @@ class PipelineTrainStep:
                 gradients, op=self._hvd.Average, process_set=self.data_set,
                 name="pipeline_data_parallel")
         loss, gradient_norm = self._loss_and_norm(losses, gradients)
+        busy = sum(end - begin for begin, end in times)
+        waited = time.perf_counter() - loop_begin - busy
         self._update(gradients, gradient_norm)
-        result = {"loss": loss, "gradient_norm": gradient_norm}
+        # The loop's time split: the ticks' computation, and the waits for
+        # transfers, for the other stages (the bubble) and for the sums.
+        result = {"loss": loss, "gradient_norm": gradient_norm,
+                  STEP_TIMES: tf.constant([busy, waited], tf.float64)}
         if self.timed:
             result["tick_times"], result["loop_time"] = times, loop_time
         return result

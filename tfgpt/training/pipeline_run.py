@@ -13,6 +13,8 @@ optimizer state beside it, in `OUT/pipeline/stage-R`.
 
 import os
 
+import numpy as np
+
 from tfgpt.distributed.pipeline_partition import check_partition
 from tfgpt.training.checkpointing import Checkpointer
 
@@ -63,12 +65,16 @@ def build_pipeline(model, optimizer, distribution, sequence_length):
 
 
 def describe(stage):
-    """The start-up line: the schedule, its bubble, and which blocks each stage runs."""
+    """The start-up line: the schedule, its bubble, which blocks each stage
+    runs, and what this rank trains."""
     schedule = stage.schedule
+    trained = sum(int(np.prod(v.shape)) for v in stage.trainable_variables)
     return (
         f"pipeline: {schedule.name}, {schedule.stages} stages x {schedule.virtual_stages} "
         f"chunk(s), {schedule.microbatches} micro-batches, {schedule.ticks} ticks per step, "
-        f"bubble {schedule.bubble(0):.3f} (idle / busy ticks); {stage.describe()}"
+        f"bubble {schedule.bubble(0):.3f} (idle / busy ticks); {stage.describe()}; rank "
+        f"{stage.rank} trains {trained:,} parameters (their gradients and optimizer state; "
+        "every rank keeps the whole model's weights)"
     )
 
 

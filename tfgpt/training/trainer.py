@@ -190,7 +190,8 @@ def train(train_config, model_overrides, distribution):
         train_config.steps,
     )
     report.info(f"model: {model.count_params():,} parameters {model_config}")
-    report.info(loop.state_line(model, distribution, zero))
+    if not pipelined:  # a pipeline's line follows, once its stage is built
+        report.info(loop.state_line(model, distribution, zero))
     # Recomputation is a training-time choice, not architecture (not in config.json's model).
     if train_config.recompute and not set_recompute(model, True):
         raise ValueError(
