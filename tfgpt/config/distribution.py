@@ -62,8 +62,9 @@ class HorovodOptions:
         pipeline_parallel: int. Pipeline stages: each of this many workers
             runs a contiguous part of the GPT's blocks (the embeddings with
             the first, the final norm, head and loss with the last), and
-            micro-batches flow through them (README, Pipeline parallelism).
-            1: no pipeline. The number of workers must be a multiple.
+            micro-batches flow through them (README, Models larger than one
+            worker). 1: no pipeline. Start one worker per stage (data
+            parallelism across pipelines is not supported yet).
         microbatches: int. Micro-batches each batch is cut into for the
             pipeline; must divide --batch-size. Their gradients are
             accumulated into one optimizer step.
