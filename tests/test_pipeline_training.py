@@ -29,6 +29,28 @@ def test_options_refuse_sizes_that_do_not_fit(options, message):
         HorovodOptions(**options)
 
 
+@pytest.mark.parametrize("config, family, message", [
+    (dict(preset="bert-demo"), "bert", r"cuts a GPT into stages; --preset bert-demo is a bert"),
+    (dict(accumulation_steps=2), "gpt", r"--accumulation-steps 2: the pipeline accumulates"),
+    (dict(xla=True), "gpt", r"--xla: "),
+    (dict(mixed_precision="float16"), "gpt", r"--mixed-precision float16"),
+    (dict(recompute=True), "gpt", r"--recompute"),
+    (dict(towers=2), "gpt", r"--towers 2"),
+    (dict(batch_size=6), "gpt", r"batch_size=6, microbatches=4"),
+])
+def test_pipeline_runs_refuse_what_they_do_not_do(config, family, message):
+    from tfgpt.config.models import GPTConfig
+    from tfgpt.config.training import TrainConfig
+    from tfgpt.training.pipeline_run import check_pipeline_run
+
+    train_config = TrainConfig(data="d", **{"batch_size": 8, **config})
+    options = HorovodOptions(pipeline_parallel=2, microbatches=4)
+    with pytest.raises(ValueError, match=message):
+        check_pipeline_run(train_config, options, family, GPTConfig(num_layers=2))
+    check_pipeline_run(TrainConfig(data="d", batch_size=8), options, "gpt",
+                       GPTConfig(num_layers=2))  # what fits passes
+
+
 def test_bad_pipeline_flags_are_one_error_line_before_tensorflow(capsys):
     import train_hvd
 
