@@ -25,7 +25,8 @@ def main(argv=None):
 
     # Horovod: one process per device, a GPU or a share of the CPU cores each.
     # Horovod: rank 0 logs and writes checkpoints; the others stay silent.
-    # Data, model, optimizer, loop, save (and a fine-tuning's evaluation): the shared core.
+    # Data, model, optimizer, loop, save (and a fine-tuning's evaluation): the shared core,
+    # which creates the distribution (a refused layout is then one error line).
     return COMMAND.run(config, model_overrides, lambda: Distribution.create(options, config))
 
 

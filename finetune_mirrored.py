@@ -23,7 +23,8 @@ def main(argv=None):
 
     # Distribute: replicas from the strategy, variables mirrored on them.
     # Distribute: workers on one machine split its CPU cores, as Horovod's ranks do.
-    # Data, model, optimizer, loop, save (and a fine-tuning's evaluation): the shared core.
+    # Data, model, optimizer, loop, save (and a fine-tuning's evaluation): the shared core,
+    # which creates the distribution (a refused layout is then one error line).
     return COMMAND.run(config, model_overrides, lambda: Distribution.create(options, config))
 
 

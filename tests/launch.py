@@ -186,6 +186,12 @@ def run_and_load(script, directory, tag, ranks, *flags):
     return [np.load(directory / f"{tag}-rank-{rank}.npz") for rank in range(max(ranks, 1))]
 
 
+def saved_weights(result):
+    """The `weight_0`, `weight_1`, ... arrays of a check script's file, in order."""
+    keys = sorted((k for k in result if k.startswith("weight_")), key=lambda k: int(k[7:]))
+    return [result[key] for key in keys]
+
+
 def multi_worker(count, *command, timeout=TIMEOUT_SECONDS):
     """Runs `python command...` as `count` MultiWorkerMirrored workers on localhost.
 

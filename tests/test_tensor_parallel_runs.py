@@ -82,7 +82,7 @@ def test_fine_tuning_refuses_tensor_parallelism():
 @pytest.mark.parametrize("flags, line", [
     (["--tensor-parallel", "3"],
      "error: The number of ranks must be data x pipeline x tensor: --tensor-parallel 3 x "
-     "pipeline 1 does not divide the 2 rank(s) of horovodrun -np 2"),
+     "--pipeline-parallel 1 does not divide the 2 rank(s) of horovodrun -np 2"),
     (["--tensor-parallel", "2", "--intermediate-dim", "47"],
      "error: --tensor-parallel 2 must divide `intermediate_dim`"),
 ])

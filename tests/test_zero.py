@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.launch import REPO, horovodrun, run, run_and_load
+from tests.launch import REPO, horovodrun, run, run_and_load, saved_weights
 
 SCRIPT = REPO / "tests" / "hvd_scripts" / "zero_check.py"
 TINY_MODEL = [
@@ -60,9 +60,7 @@ def _train(tmp_path, tag, ranks, *flags):
     return run_and_load(SCRIPT, tmp_path, tag, ranks, *flags)
 
 
-def _weights(result):
-    return [result[key] for key in sorted((k for k in result if k.startswith("weight_")),
-                                          key=lambda k: int(k.split("_")[1]))]
+_weights = saved_weights
 
 
 def _assert_weights_close(results, oracle, atol, what):

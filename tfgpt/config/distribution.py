@@ -16,6 +16,33 @@ from tfgpt.config.training import ALLREDUCE_BUCKET_MB, require_non_negative_int,
 
 STRATEGIES = ("default", "one-device", "mirrored", "multi-worker")
 ZERO_STAGES = (0, 1, 2, 3)
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")
+PIPELINE_PARTITIONS = ("uniform", "balanced")
+
+
+def check_pipeline_schedule(schedule, stages, microbatches, virtual_stages):
+    """Raises ValueError unless a pipeline schedule's sizes fit together."""
+    require_one_of("pipeline_schedule", schedule, PIPELINE_SCHEDULES)
+    require_positive_int("pipeline_parallel", stages)
+    require_positive_int("microbatches", microbatches)
+    require_positive_int("virtual_stages", virtual_stages)
+    if schedule == "interleaved":
+        if virtual_stages < 2:
+            raise ValueError(
+                "--pipeline-schedule interleaved needs --virtual-stages of at least 2 "
+                f"(with 1 it is 1f1b). Received: virtual_stages={virtual_stages}"
+            )
+        if microbatches % stages:
+            raise ValueError(
+                "--pipeline-schedule interleaved takes micro-batches in groups of "
+                "--pipeline-parallel: --microbatches must be divisible by it. Received: "
+                f"microbatches={microbatches}, pipeline_parallel={stages}"
+            )
+    elif virtual_stages != 1:
+        raise ValueError(
+            f"--virtual-stages is for --pipeline-schedule interleaved; {schedule} runs one "
+            f"chunk per rank. Received: virtual_stages={virtual_stages}"
+        )
 
 
 @dataclasses.dataclass
@@ -52,9 +79,31 @@ class HorovodOptions:
             divide the ranks, the heads, the intermediate size and the
             vocabulary (round --vocabulary-size up to a multiple); 1 keeps
             every block whole (README, Tensor parallelism).
+        pipeline_parallel: int. Pipeline stages: each of this many workers
+            runs a contiguous part of the GPT's blocks (the embeddings with
+            the first, the final norm, head and loss with the last), and
+            micro-batches flow through them (README, Models larger than one
+            worker). 1: no pipeline. Start one worker per stage (data
+            parallelism across pipelines is not supported yet).
+        microbatches: int. Micro-batches each batch is cut into for the
+            pipeline; must divide --batch-size. Their gradients are
+            accumulated into one optimizer step.
+        pipeline_schedule: str. Order of the forward and backward passes:
+            gpipe (all forward, then all backward: every micro-batch's
+            activations held at once), 1f1b (one forward, one backward:
+            at most --pipeline-parallel in flight), interleaved (1f1b over
+            --virtual-stages chunks per worker: a bubble that many times
+            smaller, more transfers).
+        virtual_stages: int. Chunks of blocks per worker for the
+            interleaved schedule (at least 2); 1 otherwise.
+        pipeline_partition: str. How blocks are cut into stages: uniform
+            (the same number each) or balanced (the same forward FLOPs,
+            counting the head's projection to the vocabulary with the
+            last stage).
     """
 
-    CHOICES = {"zero_stage": ZERO_STAGES}
+    CHOICES = {"zero_stage": ZERO_STAGES, "pipeline_schedule": PIPELINE_SCHEDULES,
+               "pipeline_partition": PIPELINE_PARTITIONS}
 
     fp16_allreduce: bool = False
     allreduce_bucket_mb: float = ALLREDUCE_BUCKET_MB
@@ -62,6 +111,11 @@ class HorovodOptions:
     elastic: bool = False
     commit_every: int = 10
     tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    microbatches: int = 1
+    pipeline_schedule: str = "1f1b"
+    virtual_stages: int = 1
+    pipeline_partition: str = "uniform"
 
     def __post_init__(self):
         if not self.allreduce_bucket_mb >= 0:
@@ -81,6 +135,33 @@ class HorovodOptions:
             raise ValueError(
                 f"--elastic cannot re-split --tensor-parallel {self.tensor_parallel} slices when "
                 "workers come and go: use --tensor-parallel 1 with --elastic"
+            )
+        require_one_of("pipeline_partition", self.pipeline_partition, PIPELINE_PARTITIONS)
+        check_pipeline_schedule(self.pipeline_schedule, self.pipeline_parallel,
+                                self.microbatches, self.virtual_stages)
+        if self.pipeline_parallel == 1 and (self.microbatches > 1 or self.virtual_stages > 1):
+            raise ValueError(
+                "--microbatches and --virtual-stages cut batches for a pipeline: they need "
+                "--pipeline-parallel of at least 2 (--accumulation-steps accumulates without "
+                f"one). Received: microbatches={self.microbatches}, "
+                f"virtual_stages={self.virtual_stages}, pipeline_parallel=1"
+            )
+        if self.pipeline_parallel > 1 and self.zero_stage:
+            raise ValueError(
+                "--zero-stage shards over data-parallel replicas, which a pipeline run does not "
+                f"have yet. Received: zero_stage={self.zero_stage}, "
+                f"pipeline_parallel={self.pipeline_parallel}"
+            )
+        if self.elastic and self.pipeline_parallel > 1:
+            raise ValueError(
+                f"--elastic cannot re-cut --pipeline-parallel {self.pipeline_parallel} stages when "
+                "workers come and go: use --pipeline-parallel 1 with --elastic"
+            )
+        if self.tensor_parallel > 1 and self.pipeline_parallel > 1:
+            raise ValueError(
+                "--tensor-parallel and --pipeline-parallel do not combine yet: choose one. "
+                f"Received: tensor_parallel={self.tensor_parallel}, "
+                f"pipeline_parallel={self.pipeline_parallel}"
             )
 
 

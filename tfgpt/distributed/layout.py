@@ -28,6 +28,8 @@ class ParallelLayout:
             and vocabulary (`--tensor-parallel`).
         pipeline: int. Pipeline stages, each holding consecutive blocks
             (1: every rank holds every block).
+        rank: int. This process's rank: the default of the methods that
+            take one, and of `data_index`, `stage` and `tensor_index`.
 
     The data-parallel size `data = size / (pipeline * tensor)` follows.
 
@@ -35,11 +37,14 @@ class ParallelLayout:
     >>> layout = ParallelLayout(size=4, tensor=2)
     >>> layout.data, layout.tensor_group(3), layout.data_group(3)
     (2, [2, 3], [1, 3])
+    >>> ParallelLayout(size=8, pipeline=2, tensor=2, rank=5).pipeline_group()
+    [5, 7]
     """
 
     size: int
     tensor: int = 1
     pipeline: int = 1
+    rank: int = 0
 
     def __post_init__(self):
         require_positive_int("size", self.size)
@@ -48,7 +53,7 @@ class ParallelLayout:
         if self.size % (self.tensor * self.pipeline):
             raise ValueError(
                 "The number of ranks must be data x pipeline x tensor: --tensor-parallel "
-                f"{self.tensor} x pipeline {self.pipeline} does not divide the {self.size} "
+                f"{self.tensor} x --pipeline-parallel {self.pipeline} does not divide the {self.size} "
                 f"rank(s) of horovodrun -np {self.size}. Received: size={self.size}, "
                 f"tensor_parallel={self.tensor}, pipeline_parallel={self.pipeline}"
             )
@@ -58,8 +63,24 @@ class ParallelLayout:
         """Data-parallel replicas: the ranks that read different batches."""
         return self.size // (self.tensor * self.pipeline)
 
-    def coordinates(self, rank):
-        """`(data_index, pipeline_index, tensor_index)` of `rank`."""
+    @property
+    def data_index(self):
+        """This rank's data replica."""
+        return self.coordinates()[0]
+
+    @property
+    def stage(self):
+        """This rank's pipeline stage."""
+        return self.coordinates()[1]
+
+    @property
+    def tensor_index(self):
+        """This rank's tensor slice."""
+        return self.coordinates()[2]
+
+    def coordinates(self, rank=None):
+        """`(data_index, pipeline_index, tensor_index)` of `rank` (this rank by default)."""
+        rank = self.rank if rank is None else rank
         if not 0 <= rank < self.size:
             raise ValueError(f"`rank` must be in [0, {self.size}). Received: rank={rank}")
         replica, tensor_index = divmod(rank, self.tensor)
@@ -70,12 +91,17 @@ class ParallelLayout:
         """The rank at these coordinates."""
         return (data_index * self.pipeline + pipeline_index) * self.tensor + tensor_index
 
-    def tensor_group(self, rank):
+    def tensor_group(self, rank=None):
         """The ranks that hold the other slices of `rank`'s blocks, in slice order."""
         data_index, pipeline_index, _ = self.coordinates(rank)
         return [self.rank_of(data_index, pipeline_index, t) for t in range(self.tensor)]
 
-    def data_group(self, rank):
+    def pipeline_group(self, rank=None):
+        """The ranks of `rank`'s pipeline (this rank's by default), stage 0 first."""
+        data_index, _, tensor_index = self.coordinates(rank)
+        return [self.rank_of(data_index, stage, tensor_index) for stage in range(self.pipeline)]
+
+    def data_group(self, rank=None):
         """The ranks that hold what `rank` holds, one per data replica: they average gradients."""
         _, pipeline_index, tensor_index = self.coordinates(rank)
         return [self.rank_of(d, pipeline_index, tensor_index) for d in range(self.data)]
@@ -83,6 +109,11 @@ class ParallelLayout:
     def tensor_groups(self):
         """Every tensor group, by its first rank."""
         return [self.tensor_group(rank) for rank in range(0, self.size, self.tensor)]
+
+    def pipeline_groups(self):
+        """Every pipeline group, in the order of the rank of their first member."""
+        return [self.pipeline_group(self.rank_of(d, 0, t))
+                for d in range(self.data) for t in range(self.tensor)]
 
     def data_groups(self):
         """Every data group, in the order of the rank of their first member."""

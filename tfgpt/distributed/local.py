@@ -31,6 +31,9 @@ class LocalDistribution:
     zero_stage = 0
     # This rank's slice of the blocks under tensor parallelism; None: whole.
     tensor_slice = None
+    # Horovod's data x pipeline layout (`tfgpt.distributed.layout`);
+    # None: every replica holds the whole model.
+    layout = None
     # The front end's options (`tfgpt.config.distribution`) it was created
     # with; written into the run's config.json beside the run config.
     options = None
@@ -41,8 +44,9 @@ class LocalDistribution:
     def data_shard(self):
         """`(index, count)`: which of the `count` input pipelines this worker reads.
 
-        One per worker, except under tensor parallelism, where the ranks
-        of a tensor group read the same batches.
+        One per worker, except under tensor or pipeline parallelism, where
+        the ranks of a tensor group, and the stages of a pipeline, read the
+        same batches.
         """
         return self.rank, self.num_workers
 

@@ -79,6 +79,11 @@ def finetune(config, model_overrides=None, distribution=None):
             f"--tensor-parallel {distribution.tensor_slice.size} splits GPT pretraining "
             "(train_hvd.py) only; fine-tuning trains BERT and ALBERT, whose layers are not split"
         )
+    if loop.pipelined(distribution):
+        raise ValueError(
+            f"--pipeline-parallel {distribution.layout.pipeline} cuts a GPT for pretraining "
+            "(train_hvd.py); fine-tuning runs the whole encoder on every worker"
+        )
     model_overrides = dict(model_overrides or {})
     out = config.out
 

@@ -35,9 +35,9 @@ class Command:
     def run(self, config, model_overrides, distribution):
         """Runs the core; returns 0, or 2 after one `error:` line on stderr.
 
-        `distribution` is the distribution object, or a function that
-        creates it: then its errors (a `--tensor-parallel` that does not
-        divide the ranks) end the same way.
+        `distribution` is a distribution object, or a callable that makes
+        one (so that its refusals, such as sizes that do not fit the
+        number of workers, are one `error:` line too).
         """
         from tfgpt.training.loop import TrainingDiverged
 

@@ -142,13 +142,24 @@ def build_model_and_optimizer(config, distribution, build_model, steps):
 
             distribution.broadcast_variables(model.variables)
             zero = ZeroSharding(stage, model, optimizer, distribution)
-        else:
+        elif not pipelined(distribution):
+            # (A pipeline builds it on its stage's variables: tfgpt.training.pipeline_run.)
             optimizer.build(model.trainable_variables)
     return model, optimizer, step, zero
 
 
+def pipelined(distribution):
+    """Whether the run is cut into pipeline stages (`--pipeline-parallel` above 1)."""
+    layout = getattr(distribution, "layout", None)
+    return layout is not None and layout.pipeline > 1
+
+
 def broadcast_state(distribution, model, optimizer, step, zero):
     """Makes rank 0's state every rank's: all of it, or under ZeRO what is not sharded."""
+    if pipelined(distribution):
+        # Every rank built the whole model from the seed; the optimizers differ by stage.
+        distribution.broadcast_variables(model.variables + [step])
+        return
     if zero is None:
         distribution.broadcast_variables(model.variables + optimizer.variables + [step])
         return

@@ -19,7 +19,7 @@ from tfgpt.config import FAMILIES, family_of_preset
 from tfgpt.distributed import tensor_parallel
 from tfgpt.layers.transformer_block import set_recompute
 from tfgpt.training import elastic as elastic_training
-from tfgpt.training import loop, objectives
+from tfgpt.training import loop, objectives, pipeline_run
 from tfgpt.training.checkpointing import Checkpointer, read_config
 from tfgpt.training.loop import TrainingDiverged
 from tfgpt.training.reporter import Reporter
@@ -176,6 +176,9 @@ def train(train_config, model_overrides, distribution):
     tensor_slice = distribution.tensor_slice
     tensor_parallel.check_run(tensor_slice.size if tensor_slice else 1, family, model_config,
                               train_config, getattr(distribution, "zero_stage", 0))
+    pipelined = loop.pipelined(distribution)
+    if pipelined:
+        pipeline_run.check_pipeline_run(train_config, distribution.options, family, model_config)
     if not elastic:  # the global order is endless: any batch size fits
         _check_batch_sizes(train_config, manifest, distribution)
     report = Reporter(out, distribution.is_chief)
@@ -191,7 +194,7 @@ def train(train_config, model_overrides, distribution):
         f"precision {train_config.mixed_precision}, xla {train_config.xla}, "
         f"{towers} tower(s) per replica"
     )
-    if tensor_slice is not None:
+    if tensor_slice is not None or pipelined:
         report.info(distribution.layout.describe())
     loop.start_up_warnings(report, train_config, train_config.steps, distribution)
 
@@ -205,13 +208,22 @@ def train(train_config, model_overrides, distribution):
         parameters = (f"{tensor_parallel.whole_parameters(model):,} parameters "
                       f"({model.count_params():,} per tensor slice)")
     report.info(f"model: {parameters} {model_config}")
-    report.info(loop.state_line(model, distribution, zero))
+    if not pipelined:  # a pipeline's line follows, once its stage is built
+        report.info(loop.state_line(model, distribution, zero))
     # Recomputation is a training-time choice, not architecture (not in config.json's model).
     if train_config.recompute and not set_recompute(model, True):
         raise ValueError(
             f"--recompute recomputes transformer blocks; --preset {train_config.preset} has none"
         )
+    if pipelined:
+        # Horovod: each rank trains its stage; micro-batches flow through the pipeline.
+        stage, pipeline_step = pipeline_run.build_pipeline(model, optimizer, distribution,
+                                                           sequence_length)
+        report.info(pipeline_run.describe(stage))
+
     def build_train_step():
+        if pipelined:
+            return pipeline_step
         return TrainStep(
             model,
             optimizer,
@@ -271,9 +283,14 @@ def train(train_config, model_overrides, distribution):
 
     # Checkpoints: the chief saves model, optimizer, step and dropout state;
     # every worker saves its own data position beside them.
-    checkpointer = loop.make_checkpointer(train_config, distribution, model, optimizer, step, zero)
-    # One data position per input pipeline (the ranks of a tensor group
-    # share theirs; its first rank writes it).
+    if pipelined:
+        checkpointer = pipeline_run.PipelineCheckpointer(
+            train_config, distribution, stage, optimizer, step, loop.seed_generator_states(model))
+    else:
+        checkpointer = loop.make_checkpointer(train_config, distribution, model, optimizer, step,
+                                              zero)
+    # One data position per input pipeline (the ranks of a tensor group and
+    # the stages of a pipeline share theirs; its first rank writes it).
     data_index, pipelines = distribution.data_shard()
     data_directory = os.path.join(out, "data", f"worker-{data_index:05d}-of-{pipelines:05d}")
     if train_config.resume and checkpointer.latest:
@@ -294,7 +311,8 @@ def train(train_config, model_overrides, distribution):
             )
         report.info(f"resumed from {checkpointer.latest} at step {int(step.numpy())}, {position}")
     data_checkpointer = (
-        Checkpointer(data_directory, tensor_slice is None or tensor_slice.index == 0,
+        Checkpointer(data_directory, distribution.layout is None
+                     or distribution.layout.coordinates()[1:] == (0, 0),
                      keep=train_config.keep_checkpoints, iterator=iterator)
         if iterator_checkpointable
         else None

@@ -1,0 +1,110 @@
+"""Pipeline parallelism against one process: run under horovodrun, or alone for the oracle.
+
+Every step has a global batch of ROWS sequences. Under horovodrun each
+rank is one stage of a tiny GPT (`PipelineStage`, `PipelineTrainStep`)
+and trains on all ROWS rows in `--microbatches` micro-batches; with
+`--global` one process trains the whole model on the same batches
+through `TrainStep`. Writes OUT/<tag>-rank-R.npz: the final whole weights
+(each stage's broadcast from the rank that trained it), the losses and
+the gradient norms.
+
+Usage: pipeline_check.py OUT TAG [--global] [--schedule gpipe|1f1b|interleaved]
+[--microbatches M] [--virtual-stages V] [--partition uniform|balanced]
+[--clip C] [--dropout R] [--untied] [--layers L] [--die-at-step K]
+[--precision off|bfloat16]
+"""
+
+import argparse
+import os
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfgpt import GPT
+from tfgpt.config.training import TrainConfig
+from tfgpt.training.loop import POLICIES
+from tfgpt.training.optimizers import make_optimizer
+
+STEPS = 6
+VOCABULARY = 37
+ROWS = 12
+LENGTH = 7
+
+
+def batches():
+    rng = np.random.default_rng(1000)
+    return [tuple(rng.integers(0, VOCABULARY, (ROWS, LENGTH)).astype("int32") for _ in range(2))
+            for _ in range(STEPS)]
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("tag")
+    parser.add_argument("--global", dest="global_batch", action="store_true")
+    parser.add_argument("--schedule", default="1f1b")
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--virtual-stages", type=int, default=1)
+    parser.add_argument("--partition", default="uniform")
+    parser.add_argument("--clip", type=float, default=0.0)
+    parser.add_argument("--dropout", type=float, default=0.0)
+    parser.add_argument("--untied", action="store_true")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--die-at-step", type=int, default=0)
+    parser.add_argument("--precision", default="off")
+    args = parser.parse_args()
+
+    config = TrainConfig(
+        data=args.out, steps=STEPS, learning_rate=0.01, warmup_steps=2, weight_decay=0.1,
+        gradient_clip_norm=args.clip, scale_learning_rate=False,
+    )
+    keras.utils.set_random_seed(7)
+    keras.config.set_dtype_policy(POLICIES[args.precision])
+    model = GPT(vocabulary_size=VOCABULARY, num_layers=args.layers, num_heads=2, hidden_dim=8,
+                intermediate_dim=12, max_sequence_length=LENGTH, dropout=args.dropout,
+                tie_embeddings=not args.untied)
+    optimizer = make_optimizer(config, 1, steps=STEPS)
+    rank = 0
+    if args.global_batch:
+        from tfgpt.distributed.local import LocalDistribution
+        from tfgpt.training.train_step import TrainStep
+
+        optimizer.build(model.trainable_variables)
+        step = TrainStep(model, optimizer, LocalDistribution())
+        variables = model.trainable_variables
+    else:
+        os.environ.setdefault("HOROVOD_CYCLE_TIME", "1")
+        import horovod.tensorflow as hvd
+
+        from tfgpt.distributed.pipeline_executor import PipelineTrainStep
+        from tfgpt.distributed.pipeline_schedule import PipelineSchedule
+        from tfgpt.distributed.pipeline_stage import PipelineStage
+
+        hvd.init()
+        rank = hvd.rank()
+        schedule = PipelineSchedule(args.schedule, hvd.size(), args.microbatches,
+                                    args.virtual_stages)
+        stage = PipelineStage(model, schedule, rank, partition=args.partition,
+                              sequence_length=LENGTH)
+        optimizer.build(stage.trainable_variables)
+        step = PipelineTrainStep(stage, optimizer, hvd.global_process_set)
+        variables = model.trainable_variables
+    losses, norms = [], []
+    for index, batch in enumerate(batches()):
+        if args.die_at_step and index + 1 == args.die_at_step and rank == 1:
+            os._exit(3)  # a peer that dies mid-run
+        metrics = step(batch)
+        losses.append(float(metrics["loss"]))
+        norms.append(float(metrics["gradient_norm"]))
+    if not args.global_batch:
+        stage.broadcast_from_owners(
+            lambda owned, root: hvd.broadcast_variables([v.value for v in owned], root_rank=root))
+    np.savez(
+        f"{args.out}/{args.tag}-rank-{rank}.npz", losses=np.array(losses), norms=np.array(norms),
+        **{f"weight_{i}": v.numpy() for i, v in enumerate(variables)},
+    )
+
+
+if __name__ == "__main__":
+    main()

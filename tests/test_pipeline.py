@@ -1,0 +1,163 @@
+"""Pipeline parallelism (tfgpt.distributed.pipeline_*): the same training as one process.
+
+The multi-process tests run `tests/hvd_scripts/pipeline_check.py` under
+`horovodrun -np 2` (each rank one stage of a tiny GPT, the whole global
+batch cut into micro-batches) and compare the final weights with one
+process trained through `TrainStep` on the same batches (`--global`).
+"""
+
+
+import numpy as np
+import pytest
+
+from tests.launch import REPO, horovodrun, saved_weights, run_and_load
+
+SCRIPT = REPO / "tests" / "hvd_scripts" / "pipeline_check.py"
+
+
+# ---- Layout and partition (no processes) ------------------------------------------
+
+
+def test_layout_tensor_innermost_then_pipeline_then_data():
+    from tfgpt.distributed.layout import ParallelLayout
+
+    layout = ParallelLayout(size=12, rank=7, pipeline=3, tensor=2)
+    assert layout.data == 2
+    coordinates = [layout.coordinates(rank) for rank in range(12)]
+    assert coordinates == [(d, p, t) for d in range(2) for p in range(3) for t in range(2)]
+    assert all(layout.rank_of(*c) == rank for rank, c in enumerate(coordinates))
+    assert layout.pipeline_group() == [1, 3, 5] or layout.pipeline_group() == [7, 9, 11]
+    assert layout.pipeline_group() == [7, 9, 11] and layout.stage == 0
+    assert layout.data_group() == [1, 7]
+    # Every rank is in exactly one group of each kind.
+    for groups in (layout.pipeline_groups(), layout.data_groups()):
+        assert sorted(r for group in groups for r in group) == list(range(12))
+
+
+def test_layout_refuses_sizes_that_do_not_divide_the_workers():
+    from tfgpt.distributed.layout import ParallelLayout
+
+    with pytest.raises(ValueError, match=r"size=3, tensor_parallel=1, pipeline_parallel=2"):
+        ParallelLayout(size=3, pipeline=2)
+
+
+def test_partitions():
+    from tfgpt.distributed.pipeline_partition import partition_blocks
+
+    assert partition_blocks(7, 3) == [(0, 3), (3, 5), (5, 7)]
+    # The head costs two blocks: the last stage gets two blocks fewer.
+    assert partition_blocks(8, 2, "balanced", block_cost=1.0, last_cost=2.0) == [(0, 5), (5, 8)]
+    # Brute force over every cut: balanced reaches the smallest largest stage cost.
+    import itertools
+
+    for layers, parts, last in [(6, 3, 1.5), (9, 4, 3.0), (5, 2, 0.5)]:
+        def largest(cuts):
+            bounds = [0, *cuts, layers]
+            return max((bounds[i + 1] - bounds[i]) + (last if i == parts - 1 else 0)
+                       for i in range(parts))
+        best = min(largest(c) for c in itertools.combinations(range(1, layers), parts - 1))
+        ranges = partition_blocks(layers, parts, "balanced", block_cost=1.0, last_cost=last)
+        assert largest([start for start, _ in ranges[1:]]) == best
+    with pytest.raises(ValueError, match=r"must not exceed the model's --num-layers.*4 stages, "
+                                         r"num_layers=3"):
+        partition_blocks(3, 4)
+
+
+def test_stage_variables_cover_the_model_once_but_the_tied_table():
+    import keras
+
+    from tfgpt import GPT
+    from tfgpt.distributed.pipeline_schedule import PipelineSchedule
+    from tfgpt.distributed.pipeline_stage import PipelineStage
+
+    keras.utils.set_random_seed(1)
+    model = GPT(vocabulary_size=37, num_layers=5, num_heads=2, hidden_dim=8,
+                intermediate_dim=12, max_sequence_length=7)
+    schedule = PipelineSchedule("interleaved", 2, 2, virtual_stages=2)
+    stages = [PipelineStage(model, schedule, rank) for rank in range(2)]
+    assert [stage.chunks for stage in stages] == [[0, 2], [1, 3]]
+    assert stages[0].ranges == [(0, 2), (2, 3), (3, 4), (4, 5)]
+    held = [id(v) for stage in stages for v in stage.trainable_variables]
+    table = id(model.embeddings.token_embedding.embeddings)
+    assert held.count(table) == 2  # the first stage's and the last stage's copy
+    assert sorted(set(held)) == sorted(id(v) for v in model.trainable_variables)
+    assert len(held) == len(model.trainable_variables) + 1
+
+
+# ---- Equivalence with one process ------------------------------------------------
+
+
+def _train(tmp_path, tag, ranks, *flags):
+    return run_and_load(SCRIPT, tmp_path, tag, ranks, *flags)
+
+
+_weights = saved_weights
+
+
+def _assert_same_training(results, oracle, what):
+    expected = _weights(oracle)
+    for rank, result in enumerate(results):
+        got = _weights(result)
+        assert len(got) == len(expected)
+        for index, (a, b) in enumerate(zip(got, expected)):
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-5,
+                                       err_msg=f"{what}, rank {rank}, weight {index}")
+        np.testing.assert_allclose(result["losses"], oracle["losses"], rtol=0, atol=1e-5)
+        np.testing.assert_allclose(result["norms"], oracle["norms"], rtol=1e-5)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_each_schedule_matches_one_process_with_clipping(tmp_path):
+    flags = ["--clip", "0.3"]
+    oracle = _train(tmp_path, "global", 0, *flags)[0]
+    assert oracle["norms"][0] > 0.3  # clipping acts: the norm must be global to match
+    for name, extra in [("gpipe", []), ("1f1b", []), ("interleaved", ["--virtual-stages", "2"])]:
+        results = _train(tmp_path, name, 2, "--schedule", name, "--microbatches", "4",
+                         *extra, *flags)
+        _assert_same_training(results, oracle, name)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_untied_balanced_and_awkward_microbatch_counts(tmp_path):
+    # M = 1 (fewer micro-batches than stages) and M = 3 (not divisible by
+    # P = 2), untied head, 3 blocks split by FLOPs (the head's 2 V C on the
+    # last stage).
+    flags = ["--untied", "--layers", "3", "--partition", "balanced"]
+    oracle = _train(tmp_path, "global", 0, *flags)[0]
+    for name, count in [("gpipe", "1"), ("1f1b", "1"), ("1f1b", "3")]:
+        results = _train(tmp_path, f"{name}-{count}", 2, "--schedule", name,
+                         "--microbatches", count, *flags)
+        _assert_same_training(results, oracle, f"{name} M={count}")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_dropout_gives_the_same_losses_run_to_run(tmp_path):
+    flags = ["--schedule", "1f1b", "--dropout", "0.2"]
+    first = _train(tmp_path, "first", 2, *flags)
+    second = _train(tmp_path, "second", 2, *flags)
+    plain = _train(tmp_path, "plain", 2, "--schedule", "1f1b")
+    np.testing.assert_array_equal(first[0]["losses"], second[0]["losses"])
+    for a, b in zip(_weights(first[1]), _weights(second[1])):
+        np.testing.assert_array_equal(a, b)
+    assert not np.allclose(first[0]["losses"], plain[0]["losses"])  # dropout did act
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_bfloat16_activations_cross_between_stages(tmp_path):
+    # Horovod's alltoall has no bfloat16: the activations and their
+    # gradients travel as their uint16 bits, so nothing is rounded twice.
+    oracle = _train(tmp_path, "global", 0, "--precision", "bfloat16")[0]
+    results = _train(tmp_path, "bf16", 2, "--precision", "bfloat16", "--schedule", "1f1b")
+    # Micro-batches change where bfloat16 rounds: the losses agree to its precision.
+    np.testing.assert_allclose(results[1]["losses"], oracle["losses"], rtol=0, atol=2e-2)
+
+
+@pytest.mark.distributed
+def test_a_peer_that_dies_ends_the_run_with_an_error(tmp_path):
+    code, output = horovodrun(2, SCRIPT, tmp_path, "dies", "--die-at-step", "3", timeout=240)
+    assert code != 0
+    assert not (tmp_path / "dies-rank-0.npz").exists()

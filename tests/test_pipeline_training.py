@@ -1,0 +1,169 @@
+"""train_hvd.py --pipeline-parallel end to end: flags, refusals, checkpoints, resume."""
+
+import os
+import sys
+
+import pytest
+
+from tests.launch import REPO, assert_same_train_losses, horovodrun, run, train_losses
+from tfgpt.config.distribution import HorovodOptions
+
+TINY_MODEL = [
+    "--num-layers", "3", "--num-heads", "2", "--hidden-dim", "32",
+    "--intermediate-dim", "48", "--max-sequence-length", "16",
+]
+PIPELINE = ["--pipeline-parallel", "2", "--microbatches", "2", "--batch-size", "4"]
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(pipeline_parallel=2, microbatches=3, pipeline_schedule="interleaved",
+          virtual_stages=2), r"--microbatches must be divisible by it.*microbatches=3"),
+    (dict(pipeline_parallel=2, virtual_stages=2), r"--virtual-stages is for --pipeline-sch"),
+    (dict(microbatches=4), r"need --pipeline-parallel of at least 2.*microbatches=4"),
+    (dict(pipeline_parallel=2, zero_stage=1), r"zero_stage=1, pipeline_parallel=2"),
+    (dict(pipeline_parallel=0), r"`pipeline_parallel` must be a positive integer"),
+    (dict(pipeline_parallel=2, pipeline_partition="random"), r"pipeline_partition='random'"),
+])
+def test_options_refuse_sizes_that_do_not_fit(options, message):
+    with pytest.raises(ValueError, match=message):
+        HorovodOptions(**options)
+
+
+@pytest.mark.parametrize("config, family, message", [
+    (dict(preset="bert-demo"), "bert", r"cuts a GPT into stages; --preset bert-demo is a bert"),
+    (dict(accumulation_steps=2), "gpt", r"--accumulation-steps 2: the pipeline accumulates"),
+    (dict(xla=True), "gpt", r"--xla: "),
+    (dict(mixed_precision="float16"), "gpt", r"--mixed-precision float16"),
+    (dict(recompute=True), "gpt", r"--recompute"),
+    (dict(towers=2), "gpt", r"--towers 2"),
+    (dict(batch_size=6), "gpt", r"batch_size=6, microbatches=4"),
+])
+def test_pipeline_runs_refuse_what_they_do_not_do(config, family, message):
+    from tfgpt.config.models import GPTConfig
+    from tfgpt.config.training import TrainConfig
+    from tfgpt.training.pipeline_run import check_pipeline_run
+
+    train_config = TrainConfig(data="d", **{"batch_size": 8, **config})
+    options = HorovodOptions(pipeline_parallel=2, microbatches=4)
+    with pytest.raises(ValueError, match=message):
+        check_pipeline_run(train_config, options, family, GPTConfig(num_layers=2))
+    check_pipeline_run(TrainConfig(data="d", batch_size=8), options, "gpt",
+                       GPTConfig(num_layers=2))  # what fits passes
+
+
+def test_bad_pipeline_flags_are_one_error_line_before_tensorflow(capsys):
+    import train_hvd
+
+    with pytest.raises(SystemExit) as exit_info:
+        train_hvd.main(["--data", "d", "--pipeline-parallel", "2", "--microbatches", "3",
+                        "--pipeline-schedule", "interleaved", "--virtual-stages", "2"])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert len([line for line in error.splitlines() if "error:" in line]) == 1
+    assert "microbatches=3, pipeline_parallel=2" in error
+
+
+def test_train_mirrored_refuses_pipeline_flags_naming_train_hvd(capsys):
+    import train_mirrored
+
+    with pytest.raises(SystemExit):
+        train_mirrored.main(["--data", "d", "--pipeline-parallel", "2"])
+    assert ("error: --pipeline-parallel is a flag of train_hvd.py and finetune_hvd.py"
+            in capsys.readouterr().err)
+
+
+def test_fine_tuning_refuses_a_pipeline():
+    import types
+
+    from tfgpt.config.finetuning import FinetuneConfig
+    from tfgpt.distributed.layout import ParallelLayout
+    from tfgpt.finetuning.finetuner import finetune
+
+    distribution = types.SimpleNamespace(layout=ParallelLayout(2, pipeline=2), options=None,
+                                         tensor_slice=None)
+    config = FinetuneConfig(train_file="t", init="i")
+    with pytest.raises(ValueError, match=r"--pipeline-parallel 2 cuts a GPT for pretraining"):
+        finetune(config, {}, distribution)
+
+
+def test_pipeline_runs_lower_the_horovod_cycle_time_unless_it_is_set():
+    script = (
+        "import os\n"
+        "from tfgpt.config.distribution import HorovodOptions\n"
+        "from tfgpt.distributed.horovod_bridge import HorovodDistribution\n"
+        "try:\n"
+        "    HorovodDistribution.create(HorovodOptions(pipeline_parallel=2))\n"
+        "except ValueError as error:\n"
+        "    print('refused:', error)\n"
+        "print('cycle', os.environ['HOROVOD_CYCLE_TIME'])\n"
+    )
+    environment = {k: v for k, v in os.environ.items() if k != "HOROVOD_CYCLE_TIME"}
+    for given, expected in [(None, "1"), ("5", "5")]:
+        env = dict(environment, **({"HOROVOD_CYCLE_TIME": given} if given else {}))
+        code, output = run([sys.executable, "-c", script], env=env)
+        assert code == 0, output
+        assert f"cycle {expected}" in output
+        # One worker cannot hold two stages: data x tensor x pipeline = workers.
+        assert "refused: The number of ranks must be data x pipeline x tensor" in output
+        assert "size=1, tensor_parallel=1, pipeline_parallel=2" in output
+
+
+def _train_hvd(workers, data, out, *flags):
+    return horovodrun(workers, REPO / "train_hvd.py", "--data", data, "--out", out,
+                      "--log-every", "1", "--eval-batches", "2", "--warmup-steps", "2",
+                      *TINY_MODEL, *flags)
+
+
+def _one_error_line_before_the_model(code, output, message):
+    assert code != 0
+    errors = [line for line in output.splitlines() if "error:" in line and message in line]
+    assert errors, output
+    # The ranks' lines (horovodrun adds its own traceback when a rank fails).
+    ranks = [line for line in output.splitlines() if line.startswith(("[0]", "[1]", "[2]"))]
+    assert not any("Traceback" in line or ">:model: " in line for line in ranks), output
+
+
+@pytest.mark.distributed
+def test_more_stages_than_blocks_is_one_error_line(tiny_data, tmp_path):
+    code, output = _train_hvd(2, tiny_data, tmp_path / "run", "--steps", "2", *PIPELINE,
+                              "--num-layers", "1")
+    _one_error_line_before_the_model(
+        code, output, "must not exceed the model's --num-layers: each stage needs a block. "
+                      "Received: 2 stages, num_layers=1")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_workers_that_are_not_a_multiple_of_the_stages_is_one_error_line(tiny_data, tmp_path):
+    code, output = _train_hvd(3, tiny_data, tmp_path / "run", "--steps", "2", *PIPELINE)
+    _one_error_line_before_the_model(code, output, "pipeline_parallel=2, tensor_parallel=1, "
+                                                   "workers=3")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_pipeline_run_resumes_as_uninterrupted_and_saves_an_ordinary_model(tiny_data, tmp_path):
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    flags = [*PIPELINE, "--pipeline-schedule", "gpipe", "--pipeline-partition", "balanced"]
+    code, output = _train_hvd(2, tiny_data, whole, "--steps", "4", *flags)
+    assert code == 0, output
+    assert "pipeline: gpipe, 2 stages" in output and "validation loss" in output
+    code, output = _train_hvd(2, tiny_data, cut, "--steps", "2", *flags)
+    assert code == 0, output
+    code, output = _train_hvd(2, tiny_data, cut, "--steps", "4", "--resume", *flags)
+    assert code == 0, output
+    assert "resumed from" in output
+    losses = assert_same_train_losses(whole, [cut], 4, 1e-5)
+    assert losses[4] < losses[1]
+    assert train_losses(cut)[3] == pytest.approx(losses[3], abs=1e-5)
+    # The chief's checkpoint is a whole GPT, read as any other.
+    code, output = run([sys.executable, "-c", (
+        "import json, tensorflow as tf, numpy as np\n"
+        "from tfgpt import GPT\n"
+        f"config = json.load(open('{whole}/config.json'))['model']\n"
+        "model = GPT(**config)\n"
+        f"tf.train.Checkpoint(model=model).restore('{whole}/ckpt-4').expect_partial()"
+        ".assert_existing_objects_matched()\n"
+        "print('logits', model(tf.constant([[1, 2, 3]])).shape)\n")])
+    assert code == 0, output
+    assert "logits (1, 3, 300)" in output

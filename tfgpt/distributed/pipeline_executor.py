@@ -1,0 +1,243 @@
+"""Runs a pipeline schedule's ticks: the training step of a pipeline-parallel GPT.
+
+Horovod has no point-to-point send and receive (horovod/horovod#1224,
+#3418); an `alltoall` with splits serves as one. After each tick in which
+some rank sends, every rank of the pipeline calls the same `alltoall`
+(named after the tick, so that every rank's call is matched): a
+rank that produced an activation or a gradient for another rank sends
+it, `rows` rows to that rank and none to the others, and every other rank
+sends zero rows. Which rank receives what, and at which offset, follows
+from the schedule (`PipelineSchedule.transfers`), so nothing about the
+shapes is exchanged. Ticks without transfers need no exchange.
+
+The tick loop runs in Python, eagerly; each virtual stage's forward pass
+is one `tf.function` and the optimizer update another, so what runs per
+tick is compiled. A forward pass is recorded on its own
+`tf.GradientTape` (the compiled function's intermediate results are kept
+for its gradient), held until the micro-batch's backward pass asks the
+tape for the gradients of the chunk's weights and of its input, given the
+gradient of its output (`output_gradients`): the activations a schedule
+keeps in flight are the ones TensorFlow holds. Eager collectives run in
+the order they are called, the same on every rank. (One `tf.function`
+for the whole step was tried: TensorFlow does not keep the exchanges in
+program order on every rank, and two ranks that enqueue different ticks
+first wait for each other for ever.)
+
+One exchange is one Horovod cycle: `HOROVOD_CYCLE_TIME` (10 ms in
+tfgpt's data-parallel runs) bounds how fast ticks go, and pipeline runs
+lower it to 1 ms (`tfgpt.distributed.horovod_bridge`).
+"""
+
+import contextlib
+import time
+
+import tensorflow as tf
+
+from tfgpt.distributed.pipeline_schedule import BACKWARD, FORWARD
+from tfgpt.training.train_step import STEP_TIMES, _dense
+
+
+class PipelineTrainStep:
+    """Forward and backward passes by the schedule, one optimizer update per step.
+
+    The batch (B, T) of inputs and of targets, the same on every rank of
+    the pipeline, is cut into `microbatches` micro-batches of B / M rows.
+    The loss is the mean of the micro-batches' losses, so the gradients
+    are those of the whole batch at once: accumulated over the
+    micro-batches, then (tied embeddings) the first and the last stage add
+    each other's token-table gradients, then, with data parallelism,
+    averaged over the replicas of the stage. The gradient norm is the
+    global norm over all stages (the table counted once), which clips
+    every stage alike.
+
+    Args:
+        stage: `tfgpt.distributed.pipeline_stage.PipelineStage` of this rank.
+        optimizer: keras optimizer built on `stage.trainable_variables`.
+        pipeline_set: Horovod process set of this rank's pipeline, ranks in
+            stage order.
+        data_set: Horovod process set of this stage's data-parallel
+            replicas, or None without data parallelism.
+        timed: bool. Also return `tick_times`, `(start, end)` of each busy
+            tick's computation, and `loop_time`, that of all the ticks
+            (`time.perf_counter()` seconds; `bench/pipeline_schedules.py`).
+
+    Calling it with `(inputs, targets)` returns `loss` (the batch's mean
+    loss, on every rank), `gradient_norm` and `STEP_TIMES`
+    (`tfgpt.training.train_step`): the seconds of this rank's ticks'
+    computation, and of its waits (transfers, the other stages, the sums
+    over the pipeline) up to the update.
+    """
+
+    def __init__(self, stage, optimizer, pipeline_set, data_set=None, timed=False):
+        import horovod.tensorflow as hvd
+
+        self._hvd = hvd
+        self.stage = stage
+        self.schedule = stage.schedule
+        self.optimizer = optimizer
+        self.pipeline_set = pipeline_set
+        self.data_set = data_set
+        self.timed = timed
+        self.variables = stage.trainable_variables
+        self._index = {id(v): index for index, v in enumerate(self.variables)}
+        # One compiled forward pass per virtual stage of this rank, and the update.
+        self._forward_passes = {
+            stage_index: tf.function(lambda x, y, s=stage_index: stage.forward(s, x, y))
+            for stage_index in stage.chunks
+        }
+        self._update = tf.function(self._update_fn)
+
+    def __call__(self, *batch):
+        return self._step_fn(batch[0] if len(batch) == 1 else batch)
+
+    # ---- one tick ----------------------------------------------------------------
+
+    def _forward(self, operation, inputs, targets, received, saved):
+        virtual_stage = self.stage.chunks[operation.chunk]
+        index = operation.microbatch
+        last = virtual_stage == self.stage.last
+        with tf.GradientTape() as tape:
+            if virtual_stage == 0:
+                x = inputs[index]  # token ids: nothing to differentiate
+            else:
+                x = received.pop((FORWARD, index, virtual_stage))
+                tape.watch(x)
+            y = self._forward_passes[virtual_stage](x, targets[index] if last else None)
+            if last:
+                loss = y
+                y = y / self.schedule.microbatches  # the batch's loss is the mean
+        saved[(index, virtual_stage)] = (tape, x, y)
+        return (loss, None) if last else (None, y)
+
+    def _backward(self, operation, received, saved, gradients):
+        virtual_stage = self.stage.chunks[operation.chunk]
+        index = operation.microbatch
+        tape, x, y = saved.pop((index, virtual_stage))
+        variables = self.stage.chunk_variables(virtual_stage)
+        sources = [v.value for v in variables] + ([x] if virtual_stage > 0 else [])
+        upstream = None
+        if virtual_stage != self.stage.last:
+            upstream = received.pop((BACKWARD, index, virtual_stage))
+        results = tape.gradient(y, sources, output_gradients=upstream)
+        for variable, gradient in zip(variables, results):
+            if gradient is None:
+                continue
+            position = self._index[id(variable)]
+            gradient = _dense(gradient)
+            gradients[position] = (
+                gradient if gradients[position] is None else gradients[position] + gradient)
+        return results[-1] if virtual_stage > 0 else None
+
+    def _exchange(self, tick, outgoing, rows, empty, received):
+        """The tick's alltoall; files what this rank receives in `received`."""
+        rank, transfers = self.stage.rank, self.schedule.transfers[tick]
+        mine = [t for t in transfers if t.source == rank]
+        splits = [0] * self.schedule.stages
+        if mine:
+            splits[mine[0].destination] = rows
+        sent = outgoing if mine else empty
+        # Horovod's alltoall takes no bfloat16: its bits travel as uint16.
+        bits = sent.dtype == tf.bfloat16
+        output, _ = self._hvd.alltoall(
+            tf.bitcast(sent, tf.uint16) if bits else sent, splits=splits,
+            name=f"pipeline_tick_{tick}", process_set=self.pipeline_set,
+        )
+        if bits:
+            output = tf.bitcast(output, tf.bfloat16)
+        # Rows arrive in the order of the sending ranks.
+        incoming = sorted((t for t in transfers if t.destination == rank), key=lambda t: t.source)
+        for offset, transfer in enumerate(incoming):
+            key = (transfer.kind, transfer.microbatch, transfer.virtual_stage)
+            received[key] = output[offset * rows:(offset + 1) * rows]  # (b, T, C)
+
+    # ---- the step -------------------------------------------------------------------
+
+    def _step_fn(self, batch):
+        inputs, targets = batch
+        count = self.schedule.microbatches
+        rows = inputs.shape[0] // count
+        inputs, targets = tf.split(inputs, count), tf.split(targets, count)  # M x (b, T)
+        empty = tf.zeros([0, inputs[0].shape[1], self.stage.model.hidden_dim],
+                         self.stage.model.compute_dtype)
+        received, saved, losses, times = {}, {}, [], []
+        gradients = [None] * len(self.variables)
+        loop_begin = time.perf_counter()
+        for tick in range(self.schedule.ticks):
+            operation = self.schedule.timetable[self.stage.rank][tick]
+            outgoing = None
+            begin = time.perf_counter()
+            if operation is not None and operation.kind == FORWARD:
+                loss, outgoing = self._forward(operation, inputs, targets, received, saved)
+                if loss is not None:
+                    losses.append(loss)
+                finished = loss if outgoing is None else outgoing
+            elif operation is not None:
+                outgoing = self._backward(operation, received, saved, gradients)
+                finished = outgoing if outgoing is not None else next(
+                    g for g in gradients if g is not None)
+            if operation is not None:
+                if self.timed:
+                    _ = tf.reshape(finished, [-1])[:1].numpy()  # wait for the tick's last op
+                times.append((begin, time.perf_counter()))
+            if self.schedule.transfers[tick]:
+                self._exchange(tick, outgoing, rows, empty, received)
+        loop_time = (loop_begin, time.perf_counter())
+        gradients = [tf.zeros_like(v.value) if g is None else g
+                     for v, g in zip(self.variables, gradients)]
+        gradients = self._sum_tied_table(gradients)
+        if self.data_set is not None:
+            gradients = self._hvd.grouped_allreduce(
+                gradients, op=self._hvd.Average, process_set=self.data_set,
+                name="pipeline_data_parallel")
+        loss, gradient_norm = self._loss_and_norm(losses, gradients)
+        busy = sum(end - begin for begin, end in times)
+        waited = time.perf_counter() - loop_begin - busy
+        self._update(gradients, gradient_norm)
+        # The loop's time split: the ticks' computation, and the waits for
+        # transfers, for the other stages (the bubble) and for the sums.
+        result = {"loss": loss, "gradient_norm": gradient_norm,
+                  STEP_TIMES: tf.constant([busy, waited], tf.float64)}
+        if self.timed:
+            result["tick_times"], result["loop_time"] = times, loop_time
+        return result
+
+    def _update_fn(self, gradients, gradient_norm):
+        given_norm = getattr(self.optimizer, "given_gradient_norm", None)
+        with given_norm(gradient_norm) if given_norm else contextlib.nullcontext():
+            self.optimizer.apply(gradients, self.variables)
+
+    def _sum_tied_table(self, gradients):
+        """First and last stage add each other's token-table gradient (one alltoall)."""
+        if not self.stage.tied:
+            return gradients
+        first, last = self.schedule.rank_of(0), self.schedule.rank_of(self.stage.last)
+        rank = self.stage.rank
+        table = self.stage.table
+        splits = [0] * self.schedule.stages
+        if rank in (first, last) and self._index.get(id(table)) is not None:
+            position = self._index[id(table)]
+            splits[last if rank == first else first] = table.shape[0]
+            sent = gradients[position]
+        else:
+            position = None
+            sent = tf.zeros([0, table.shape[1]], "float32")
+        output, _ = self._hvd.alltoall(sent, splits=splits, name="pipeline_tied_table",
+                                       process_set=self.pipeline_set)
+        gradients = list(gradients)
+        if position is not None:
+            gradients[position] = gradients[position] + output  # (V, C)
+        return gradients
+
+    def _loss_and_norm(self, losses, gradients):
+        """The batch's loss and the global gradient norm, each the same on every rank."""
+        # The last stage's copy of a tied table has the first stage's gradient: count it once.
+        duplicate = self.stage.table if self.stage.tied and not self.stage.holds_first else None
+        squares = [tf.reduce_sum(tf.square(tf.cast(g, "float32")))
+                   for v, g in zip(self.variables, gradients) if v is not duplicate]
+        local = tf.stack([
+            tf.add_n(squares) if squares else tf.constant(0.0),
+            tf.add_n(losses) / self.schedule.microbatches if losses else tf.constant(0.0),
+        ])
+        total = self._hvd.allreduce(local, op=self._hvd.Sum, name="pipeline_loss_and_norm",
+                                    process_set=self.pipeline_set)
+        return total[1], tf.sqrt(total[0])

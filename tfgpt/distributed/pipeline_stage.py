@@ -1,0 +1,132 @@
+"""One rank's part of a GPT in a pipeline: its chunks of contiguous blocks.
+
+Virtual stage 0 starts with the token and position embeddings; the last
+ends with the final norm, the projection to the vocabulary and the loss.
+With tied embeddings (`tie_embeddings`, the default) the first and the
+last stage both hold the token table, one copy each: the first looks
+tokens up in it, the last projects onto it. The two copies start equal
+and stay equal because each applies the sum of both gradients
+(`tfgpt.distributed.pipeline_executor`), as one shared table would get.
+
+Every rank builds the whole model from the run's seed, so each stage's
+weights start as a one-process run's do; only the stage's own variables
+get gradients and optimizer slots. (The other stages' weights stay
+allocated, untouched, on every rank; `broadcast_from_owners` brings them
+up to date for a checkpoint or an evaluation with the whole model.)
+"""
+
+import numpy as np
+
+from tfgpt.distributed.pipeline_partition import partition_blocks
+from tfgpt.training.train_step import cross_entropy
+
+
+def block_flops_per_token(model, sequence_length):
+    """Forward FLOPs per token of one block: its matmuls and attention's two products."""
+    block = model.blocks[0]
+    parameters = sum(int(np.prod(v.shape)) for v in block.trainable_variables)
+    return 2 * parameters + 4 * sequence_length * model.hidden_dim
+
+
+class PipelineStage:
+    """The chunks of `model` that `rank` runs under `schedule`.
+
+    Args:
+        model: a built `tfgpt.models.gpt.GPT`.
+        schedule: `tfgpt.distributed.pipeline_schedule.PipelineSchedule`.
+        rank: int. This rank's place in the pipeline (0 to stages - 1).
+        partition: str. `uniform` or `balanced`
+            (`tfgpt.distributed.pipeline_partition`).
+        sequence_length: int. For the `balanced` costs (attention's share).
+
+    Attributes:
+        ranges: per virtual stage, its `(start, end)` block range.
+        chunks: this rank's virtual stages, in chunk order.
+        trainable_variables: this rank's Keras variables, in model order.
+        tied: bool. Whether the first and last stage share the token table.
+    """
+
+    def __init__(self, model, schedule, rank, partition="uniform", sequence_length=None):
+        self.model = model
+        self.schedule = schedule
+        self.rank = rank
+        self.last = schedule.num_virtual_stages - 1
+        length = sequence_length or model.max_sequence_length
+        head = 2 * model.vocabulary_size * model.hidden_dim
+        self.ranges = partition_blocks(
+            model.num_layers, schedule.num_virtual_stages, partition,
+            block_cost=block_flops_per_token(model, length), first_cost=0.0, last_cost=head,
+        )
+        self.chunks = [schedule.virtual_stage(rank, chunk) for chunk in range(schedule.virtual_stages)]
+        self.tied = model.lm_head is None
+        self.table = model.embeddings.token_embedding.embeddings
+        seen, variables = set(), []
+        for stage in self.chunks:
+            for variable in self.chunk_variables(stage):
+                if id(variable) not in seen:
+                    seen.add(id(variable))
+                    variables.append(variable)
+        order = {id(v): index for index, v in enumerate(self.model.trainable_variables)}
+        self.trainable_variables = sorted(variables, key=lambda v: order[id(v)])
+
+    @property
+    def holds_first(self):
+        return 0 in self.chunks
+
+    @property
+    def holds_last(self):
+        return self.last in self.chunks
+
+    def layers(self, stage):
+        """The layers of virtual stage `stage`, in the order they run."""
+        start, end = self.ranges[stage]
+        layers = [self.model.embeddings] if stage == 0 else []
+        layers += self.model.blocks[start:end]
+        if stage == self.last:
+            layers += [layer for layer in (self.model.final_norm, self.model.lm_head) if layer]
+        return layers
+
+    def chunk_variables(self, stage):
+        """Trainable Keras variables of virtual stage `stage` (the last stage's
+        include the tied token table it projects onto)."""
+        variables = [v for layer in self.layers(stage) for v in layer.trainable_variables]
+        if stage == self.last and self.tied and stage != 0:
+            variables.append(self.table)
+        return variables
+
+    def forward(self, stage, inputs, targets=None, training=True):
+        """Runs virtual stage `stage`: hidden states (B, T, C) out, or the
+        float32 mean loss on the last stage (with `targets`).
+
+        `inputs` are token ids (B, T) on stage 0, hidden states after.
+        """
+        start, end = self.ranges[stage]
+        x = self.model.embeddings(inputs, training=training) if stage == 0 else inputs  # (B, T, C)
+        for block in self.model.blocks[start:end]:
+            x = block(x, training=training)
+        if stage != self.last:
+            return x
+        if self.model.final_norm is not None:
+            x = self.model.final_norm(x)
+        return cross_entropy(targets, self.model._project_to_vocabulary(x))
+
+    def owned_variables(self, stage):
+        """Every variable (trainable or not: dropout's random state too) that
+        virtual stage `stage`'s rank holds up to date, the tied table with stage 0."""
+        return [v for layer in self.layers(stage) for v in layer.variables]
+
+    def broadcast_from_owners(self, broadcast):
+        """Makes every rank's whole model the trained one: `broadcast(variables,
+        root)` is called for each virtual stage with the rank that runs it."""
+        for stage in range(self.last + 1):
+            broadcast(self.owned_variables(stage), self.schedule.rank_of(stage))
+
+    def describe(self):
+        """One line: which blocks each virtual stage holds."""
+        parts = []
+        for stage, (start, end) in enumerate(self.ranges):
+            extra = (["embeddings"] if stage == 0 else []) + (
+                ["head"] if stage == self.last else [])
+            parts.append(f"stage {stage} (rank {self.schedule.rank_of(stage)}): blocks "
+                         f"{start}-{end - 1}" + (f" + {', '.join(extra)}" if extra else ""))
+        return "; ".join(parts)

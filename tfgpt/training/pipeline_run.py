@@ -1,0 +1,130 @@
+"""What a pipeline-parallel pretraining run adds to the trainer core.
+
+`train_hvd.py --pipeline-parallel P` runs `tfgpt.training.trainer.train`
+as usual; these are the parts that differ: the refusals, checked before
+the model is built; the stage and its step
+(`tfgpt.distributed.pipeline_stage`, `pipeline_executor`); and the
+checkpoints. A checkpoint is an ordinary one: before each save every
+stage's weights (and dropout state) are broadcast from the rank that
+trains them, so the chief writes the whole model, which `--resume`,
+generation and fine-tuning read like any other; each rank writes its own
+optimizer state beside it, in `OUT/pipeline/stage-R`.
+"""
+
+import os
+
+import numpy as np
+
+from tfgpt.distributed.pipeline_partition import check_partition
+from tfgpt.training.checkpointing import Checkpointer
+
+
+def check_pipeline_run(config, options, family, model_config):
+    """Raises ValueError, naming the flags, for what a pipeline run does not do."""
+    stages = options.pipeline_parallel
+    flag = f"--pipeline-parallel {stages}"
+    if family != "gpt":
+        raise ValueError(f"{flag} cuts a GPT into stages; --preset {config.preset} is a "
+                         f"{family} model")
+    refusals = [
+        (config.accumulation_steps > 1,
+         f"--accumulation-steps {config.accumulation_steps}: the pipeline accumulates over "
+         "--microbatches; raise --batch-size and --microbatches instead"),
+        (config.xla, "--xla: the pipeline's steps run Horovod transfers between the stages' "
+                     "passes, which XLA cannot compile"),
+        (config.mixed_precision == "float16",
+         "--mixed-precision float16: loss scaling across stages is not supported; use bfloat16"),
+        (config.recompute, "--recompute: not supported with a pipeline yet"),
+        (config.towers > 1, f"--towers {config.towers}: a pipeline stage runs one tower"),
+    ]
+    for refused, reason in refusals:
+        if refused:
+            raise ValueError(f"{flag} cannot be combined with {reason}")
+    if config.batch_size % options.microbatches:
+        raise ValueError(
+            "`batch_size` must be divisible by `microbatches` (each micro-batch is "
+            f"batch_size / microbatches sequences). Received: batch_size={config.batch_size}, "
+            f"microbatches={options.microbatches}"
+        )
+    check_partition(model_config.num_layers, stages * options.virtual_stages)
+
+
+def build_pipeline(model, optimizer, distribution, sequence_length):
+    """`(stage, train_step)` of this rank; builds `optimizer` on the stage's variables."""
+    from tfgpt.distributed.pipeline_executor import PipelineTrainStep
+    from tfgpt.distributed.pipeline_schedule import PipelineSchedule
+    from tfgpt.distributed.pipeline_stage import PipelineStage
+
+    options = distribution.options
+    schedule = PipelineSchedule(options.pipeline_schedule, options.pipeline_parallel,
+                                options.microbatches, options.virtual_stages)
+    stage = PipelineStage(model, schedule, distribution.layout.stage,
+                          partition=options.pipeline_partition, sequence_length=sequence_length)
+    optimizer.build(stage.trainable_variables)
+    return stage, PipelineTrainStep(stage, optimizer, distribution.pipeline_process_set)
+
+
+def describe(stage):
+    """The start-up line: the schedule, its bubble, which blocks each stage
+    runs, and what this rank trains."""
+    schedule = stage.schedule
+    trained = sum(int(np.prod(v.shape)) for v in stage.trainable_variables)
+    return (
+        f"pipeline: {schedule.name}, {schedule.stages} stages x {schedule.virtual_stages} "
+        f"chunk(s), {schedule.microbatches} micro-batches, {schedule.ticks} ticks per step, "
+        f"bubble {schedule.bubble(0):.3f} (idle / busy ticks); {stage.describe()}; rank "
+        f"{stage.rank} trains {trained:,} parameters (their gradients and optimizer state; "
+        "every rank keeps the whole model's weights)"
+    )
+
+
+class PipelineCheckpointer:
+    """The chief writes the whole model, step and dropout state; each rank its optimizer.
+
+    Args:
+        config: the run config (`out`, `keep_checkpoints`).
+        distribution: the run's `HorovodDistribution`.
+        stage: this rank's `PipelineStage`.
+        optimizer, step, rng: the optimizer, the step variable and the
+            dropout random states (`tfgpt.training.loop`).
+
+    Offers what `run_loop` and the trainer use of a `Checkpointer`:
+    `latest`, `save`, `restore_latest`, `write_run_files`.
+    """
+
+    def __init__(self, config, distribution, stage, optimizer, step, rng):
+        self.distribution = distribution
+        self.stage = stage
+        self.whole = Checkpointer(config.out, distribution.is_chief, keep=config.keep_checkpoints,
+                                  model=stage.model, step=step, rng=rng)
+        self.own = Checkpointer(
+            os.path.join(config.out, "pipeline", f"stage-{distribution.layout.stage}"), True,
+            keep=config.keep_checkpoints, optimizer=optimizer,
+        )
+
+    @property
+    def latest(self):
+        return self.whole.latest
+
+    def write_run_files(self, config, tokenizer_path=None):
+        self.whole.write_run_files(config, tokenizer_path)
+
+    def save(self, step):
+        # Every rank takes part in the broadcasts; the chief then holds the whole model.
+        self.stage.broadcast_from_owners(self.distribution.broadcast_from)
+        self.own.save(step)
+        return self.whole.save(step)
+
+    def restore_latest(self):
+        path = self.whole.restore_latest()
+        if path is None:
+            return None
+        step = int(path.rsplit("-", 1)[1])
+        own = os.path.join(self.own.directory, f"ckpt-{step}")
+        if not os.path.exists(own + ".index"):
+            raise ValueError(
+                f"{path} has no optimizer state for pipeline stage {self.distribution.layout.stage}"
+                f" ({own}): resume with the --pipeline-parallel and schedule it was saved with"
+            )
+        self.own.checkpoint.restore(own).assert_existing_objects_matched()
+        return path
