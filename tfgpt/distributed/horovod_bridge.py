@@ -139,6 +139,7 @@ class HorovodDistribution(LocalDistribution):
             # The tensor and data groups are added once the ranks are known.
             os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
         hvd.init()
+        self._tensor_parallel = tensor_parallel
         self.read_world()
         self._compression = (
             hvd.Compression.fp16 if compression == "fp16" else hvd.Compression.none
@@ -155,6 +156,7 @@ class HorovodDistribution(LocalDistribution):
         hvd = self._hvd
         self.rank = hvd.rank()
         self.num_workers = hvd.size()
+        tensor_parallel = self._tensor_parallel  # --elastic refuses T > 1
         self.layout = ParallelLayout(hvd.size(), tensor=tensor_parallel)
         self.size = self.layout.data
         self._data_set = None
