@@ -140,6 +140,7 @@ class HorovodDistribution(LocalDistribution):
             os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
         hvd.init()
         self._tensor_parallel = tensor_parallel
+        self._pipeline_parallel = pipeline_parallel
         self.read_world()
         self._compression = (
             hvd.Compression.fp16 if compression == "fp16" else hvd.Compression.none
@@ -156,8 +157,9 @@ class HorovodDistribution(LocalDistribution):
         hvd = self._hvd
         self.rank = hvd.rank()
         self.num_workers = hvd.size()
-        tensor_parallel = self._tensor_parallel  # --elastic refuses T > 1
-        self.layout = ParallelLayout(hvd.size(), tensor=tensor_parallel)
+        tensor_parallel = self._tensor_parallel  # --elastic refuses T, P > 1
+        self.layout = ParallelLayout(hvd.size(), tensor=tensor_parallel,
+                                     pipeline=self._pipeline_parallel, rank=self.rank)
         self.size = self.layout.data
         self._data_set = None
         if tensor_parallel > 1:
