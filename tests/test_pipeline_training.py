@@ -136,8 +136,8 @@ def test_more_stages_than_blocks_is_one_error_line(tiny_data, tmp_path):
 @pytest.mark.slow
 def test_workers_that_are_not_a_multiple_of_the_stages_is_one_error_line(tiny_data, tmp_path):
     code, output = _train_hvd(3, tiny_data, tmp_path / "run", "--steps", "2", *PIPELINE)
-    _one_error_line_before_the_model(code, output, "pipeline_parallel=2, tensor_parallel=1, "
-                                                   "workers=3")
+    _one_error_line_before_the_model(code, output, "size=3, tensor_parallel=1, "
+                                                   "pipeline_parallel=2")
 
 
 @pytest.mark.distributed
