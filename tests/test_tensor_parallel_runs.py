@@ -71,7 +71,7 @@ def test_fine_tuning_refuses_tensor_parallelism():
     from tfgpt.config.finetuning import FinetuneConfig
     from tfgpt.finetuning.finetuner import finetune
 
-    distribution = types.SimpleNamespace(tensor_slice=types.SimpleNamespace(size=2))
+    distribution = types.SimpleNamespace(tensor_slice=types.SimpleNamespace(size=2), options=None)
     config = FinetuneConfig.__new__(FinetuneConfig)  # never read: refused first
     with pytest.raises(ValueError, match=r"--tensor-parallel 2 splits GPT pretraining "
                                          r"\(train_hvd.py\) only"):
