@@ -153,6 +153,9 @@ class HorovodDistribution(LocalDistribution):
         options = options or HorovodOptions()
         if options.pipeline_parallel > 1:
             os.environ.setdefault("HOROVOD_CYCLE_TIME", _PIPELINE_CYCLE_TIME_MS)
+            # The pipelines' and the data-parallel groups' process sets are
+            # added once the world size is known (after hvd.init()).
+            os.environ.setdefault("HOROVOD_DYNAMIC_PROCESS_SETS", "1")
         distribution = cls(
             compression="fp16" if options.fp16_allreduce else "none",
             bucket_mb=options.allreduce_bucket_mb,
@@ -165,19 +168,23 @@ class HorovodDistribution(LocalDistribution):
 
             layout = ParallelLayout(distribution.size, distribution.rank,
                                     pipeline=options.pipeline_parallel)
-            if layout.data > 1:
-                raise ValueError(
-                    "--pipeline-parallel runs one pipeline: data parallelism across "
-                    "pipelines is not supported yet, start as many workers as stages. "
-                    f"Received: pipeline_parallel={layout.pipeline}, workers={layout.world_size}"
-                )
             distribution.layout = layout
+            if layout.data > 1:
+                # Every rank adds every group, in the same order.
+                hvd = distribution._hvd
+                sets = {tuple(group): hvd.add_process_set(group)
+                        for group in layout.pipeline_groups() + layout.data_groups()}
+                distribution.pipeline_process_set = sets[tuple(layout.pipeline_group())]
+                distribution.data_process_set = sets[tuple(layout.data_group())]
+            else:
+                distribution.pipeline_process_set = distribution._hvd.global_process_set
         return distribution
 
-    @property
-    def pipeline_process_set(self):
-        """The Horovod process set of this rank's pipeline (all ranks: one pipeline)."""
-        return self._hvd.global_process_set
+    # With a pipeline (`layout`): the Horovod process set of this rank's
+    # pipeline, ranks in stage order, and that of the replicas of its stage
+    # (None with one pipeline).
+    pipeline_process_set = None
+    data_process_set = None
 
     def input_context(self):
         """This rank's data: a pipeline's stages all read their replica's batches."""
@@ -189,9 +196,17 @@ class HorovodDistribution(LocalDistribution):
             num_replicas_in_sync=self.layout.data,
         )
 
-    def broadcast_from(self, variables, root_rank):
-        """Overwrites `variables` (Keras variables) with rank `root_rank`'s values."""
-        self._hvd.broadcast_variables([v.value for v in variables], root_rank=root_rank)
+    def broadcast_from_stage(self, variables, stage):
+        """Overwrites `variables` (Keras variables) with those of pipeline
+        stage `stage` of this rank's pipeline."""
+        # One eager broadcast per variable: `hvd.broadcast_variables` wraps
+        # them in a tf.function that fails to find an added process set.
+        root = self.layout.pipeline_group()[stage]
+        for index, variable in enumerate(variables):
+            variable.assign(self._hvd.broadcast(
+                variable.value, root_rank=root, name=f"pipeline_stage_{stage}_{index}",
+                process_set=self.pipeline_process_set,
+            ))
 
     def configure_devices(self, intra_op_threads=0, *, towers=1, batch_size=0, xla=False):
         """Pins one GPU per local rank; splits CPU cores among local ranks.
