@@ -128,6 +128,6 @@ class PipelineStage:
         for stage, (start, end) in enumerate(self.ranges):
             extra = (["embeddings"] if stage == 0 else []) + (
                 ["head"] if stage == self.last else [])
-            parts.append(f"stage {stage} (rank {self.schedule.rank_of(stage)}): blocks "
+            parts.append(f"stage {stage} (pipeline rank {self.schedule.rank_of(stage)}): blocks "
                          f"{start}-{end - 1}" + (f" + {', '.join(extra)}" if extra else ""))
         return "; ".join(parts)
