@@ -147,6 +147,18 @@ def test_dropout_gives_the_same_losses_run_to_run(tmp_path):
 
 @pytest.mark.distributed
 @pytest.mark.slow
+def test_two_pipelines_of_two_stages_match_one_process(tmp_path):
+    # -np 4: 2 data-parallel replicas x 2 stages, each pipeline on half the
+    # rows; the stages' gradients averaged over the replicas, clipping by the
+    # norm over the whole model.
+    flags = ["--clip", "0.3"]
+    oracle = _train(tmp_path, "global", 0, *flags)[0]
+    results = _train(tmp_path, "pp2-dp2", 4, "--stages", "2", "--microbatches", "3", *flags)
+    _assert_same_training(results, oracle, "2 pipelines of 2 stages")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_bfloat16_activations_cross_between_stages(tmp_path):
     # Horovod's alltoall has no bfloat16: the activations and their
     # gradients travel as their uint16 bits, so nothing is rounded twice.

@@ -1,15 +1,17 @@
 """Pipeline parallelism against one process: run under horovodrun, or alone for the oracle.
 
 Every step has a global batch of ROWS sequences. Under horovodrun each
-rank is one stage of a tiny GPT (`PipelineStage`, `PipelineTrainStep`)
-and trains on all ROWS rows in `--microbatches` micro-batches; with
+rank is one stage (of `--stages`) of a tiny GPT (`PipelineStage`,
+`PipelineTrainStep`, the layout and process sets of `HorovodDistribution`);
+each pipeline trains on its rows of the batch (all of them with one
+pipeline) in `--microbatches` micro-batches; with
 `--global` one process trains the whole model on the same batches
 through `TrainStep`. Writes OUT/<tag>-rank-R.npz: the final whole weights
 (each stage's broadcast from the rank that trained it), the losses and
 the gradient norms.
 
 Usage: pipeline_check.py OUT TAG [--global] [--schedule gpipe|1f1b|interleaved]
-[--microbatches M] [--virtual-stages V] [--partition uniform|balanced]
+[--microbatches M] [--stages P] [--virtual-stages V] [--partition uniform|balanced]
 [--clip C] [--dropout R] [--untied] [--layers L] [--die-at-step K]
 [--precision off|bfloat16]
 """
@@ -45,6 +47,7 @@ def main():
     parser.add_argument("--global", dest="global_batch", action="store_true")
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--virtual-stages", type=int, default=1)
     parser.add_argument("--partition", default="uniform")
     parser.add_argument("--clip", type=float, default=0.0)
@@ -55,6 +58,16 @@ def main():
     parser.add_argument("--precision", default="off")
     args = parser.parse_args()
 
+    if not args.global_batch:
+        # Before TensorFlow starts: it sets the threads.
+        from tfgpt.config.distribution import HorovodOptions
+        from tfgpt.distributed.horovod_bridge import HorovodDistribution
+
+        distribution = HorovodDistribution.create(HorovodOptions(
+            pipeline_parallel=args.stages, microbatches=args.microbatches,
+            pipeline_schedule=args.schedule, virtual_stages=args.virtual_stages,
+            pipeline_partition=args.partition,
+        ))
     config = TrainConfig(
         data=args.out, steps=STEPS, learning_rate=0.01, warmup_steps=2, weight_decay=0.1,
         gradient_clip_norm=args.clip, scale_learning_rate=False,
@@ -66,6 +79,7 @@ def main():
                 tie_embeddings=not args.untied)
     optimizer = make_optimizer(config, 1, steps=STEPS)
     rank = 0
+    data = batches()
     if args.global_batch:
         from tfgpt.distributed.local import LocalDistribution
         from tfgpt.training.train_step import TrainStep
@@ -74,32 +88,37 @@ def main():
         step = TrainStep(model, optimizer, LocalDistribution())
         variables = model.trainable_variables
     else:
-        os.environ.setdefault("HOROVOD_CYCLE_TIME", "1")
-        import horovod.tensorflow as hvd
-
         from tfgpt.distributed.pipeline_executor import PipelineTrainStep
         from tfgpt.distributed.pipeline_schedule import PipelineSchedule
         from tfgpt.distributed.pipeline_stage import PipelineStage
 
-        hvd.init()
-        rank = hvd.rank()
-        schedule = PipelineSchedule(args.schedule, hvd.size(), args.microbatches,
+        layout = distribution.layout
+        rank = distribution.rank
+        schedule = PipelineSchedule(args.schedule, args.stages, args.microbatches,
                                     args.virtual_stages)
-        stage = PipelineStage(model, schedule, rank, partition=args.partition,
+        stage = PipelineStage(model, schedule, layout.stage, partition=args.partition,
                               sequence_length=LENGTH)
         optimizer.build(stage.trainable_variables)
-        step = PipelineTrainStep(stage, optimizer, hvd.global_process_set)
+        step = PipelineTrainStep(stage, optimizer, distribution.pipeline_process_set,
+                                 distribution.data_process_set)
         variables = model.trainable_variables
+        # Each pipeline (data-parallel replica) trains on its rows of the batch.
+        rows = slice(layout.data_index * ROWS // layout.data,
+                     (layout.data_index + 1) * ROWS // layout.data)
+        data = [(inputs[rows], targets[rows]) for inputs, targets in data]
     losses, norms = [], []
-    for index, batch in enumerate(batches()):
+    for index, batch in enumerate(data):
         if args.die_at_step and index + 1 == args.die_at_step and rank == 1:
             os._exit(3)  # a peer that dies mid-run
         metrics = step(batch)
-        losses.append(float(metrics["loss"]))
+        loss = metrics["loss"]
+        if not args.global_batch:  # each pipeline's loss is that of its rows
+            loss = distribution.allreduce_mean(loss)
+        losses.append(float(loss))
         norms.append(float(metrics["gradient_norm"]))
     if not args.global_batch:
-        stage.broadcast_from_owners(
-            lambda owned, root: hvd.broadcast_variables([v.value for v in owned], root_rank=root))
+        stage.broadcast_from_owners(distribution.broadcast_from_stage)
+        distribution.allreduce_mean(tf.constant(0.0))  # no rank leaves while others broadcast
     np.savez(
         f"{args.out}/{args.tag}-rank-{rank}.npz", losses=np.array(losses), norms=np.array(norms),
         **{f"weight_{i}": v.numpy() for i, v in enumerate(variables)},

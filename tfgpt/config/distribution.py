@@ -83,8 +83,10 @@ class HorovodOptions:
             runs a contiguous part of the GPT's blocks (the embeddings with
             the first, the final norm, head and loss with the last), and
             micro-batches flow through them (README, Models larger than one
-            worker). 1: no pipeline. Start one worker per stage (data
-            parallelism across pipelines is not supported yet).
+            worker). 1: no pipeline. The number of workers must be a
+            multiple: N workers run N / P pipelines side by side, each on
+            its part of the data, each stage's gradients averaged over the
+            pipelines.
         microbatches: int. Micro-batches each batch is cut into for the
             pipeline; must divide --batch-size. Their gradients are
             accumulated into one optimizer step.
@@ -148,8 +150,8 @@ class HorovodOptions:
             )
         if self.pipeline_parallel > 1 and self.zero_stage:
             raise ValueError(
-                "--zero-stage shards over data-parallel replicas, which a pipeline run does not "
-                f"have yet. Received: zero_stage={self.zero_stage}, "
+                "--zero-stage does not shard a pipeline's stages over its replicas yet. "
+                f"Received: zero_stage={self.zero_stage}, "
                 f"pipeline_parallel={self.pipeline_parallel}"
             )
         if self.elastic and self.pipeline_parallel > 1:

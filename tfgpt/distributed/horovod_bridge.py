@@ -135,8 +135,8 @@ class HorovodDistribution(LocalDistribution):
                 f"which builds it against the installed TensorFlow ({error})"
             ) from error
         self._hvd = hvd
-        if tensor_parallel > 1:
-            # The tensor and data groups are added once the ranks are known.
+        if tensor_parallel > 1 or pipeline_parallel > 1:
+            # The tensor, pipeline and data groups are added once the ranks are known.
             os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
         hvd.init()
         self._tensor_parallel = tensor_parallel
@@ -162,11 +162,13 @@ class HorovodDistribution(LocalDistribution):
                                      pipeline=self._pipeline_parallel, rank=self.rank)
         self.size = self.layout.data
         self._data_set = None
-        if tensor_parallel > 1:
-            tensor_set, self._data_set = self.layout.process_sets(hvd, self.rank)
-            self.tensor_slice = TensorSlice(
-                hvd, tensor_set, tensor_parallel, self.layout.coordinates(self.rank)[2]
-            )
+        if tensor_parallel > 1 or self._pipeline_parallel > 1:
+            sets = self.layout.process_sets(hvd)
+            self._data_set = self.data_process_set = sets["data"]
+            self.pipeline_process_set = sets["pipeline"]
+            if tensor_parallel > 1:
+                self.tensor_slice = TensorSlice(hvd, sets["tensor"], tensor_parallel,
+                                                self.layout.tensor_index)
         self.local_rank = hvd.local_rank()
         self.local_size = hvd.local_size()
         self.is_chief = self.rank == 0
@@ -193,13 +195,6 @@ class HorovodDistribution(LocalDistribution):
             tensor_parallel=options.tensor_parallel,
             pipeline_parallel=options.pipeline_parallel,
         )
-        layout = distribution.layout
-        if layout.pipeline > 1 and layout.data > 1:
-            raise ValueError(
-                "--pipeline-parallel runs one pipeline: data parallelism across "
-                "pipelines is not supported yet, start as many workers as stages. "
-                f"Received: pipeline_parallel={layout.pipeline}, workers={layout.size}"
-            )
         distribution.configure_devices(**device_settings(config))
         distribution.options = options
         distribution.zero_stage = options.zero_stage
@@ -210,17 +205,26 @@ class HorovodDistribution(LocalDistribution):
         return slice_scope(self.tensor_slice)
 
     def data_shard(self):
-        """`(data replica, replicas)`: the ranks of a tensor group read the same batches."""
+        """`(data replica, replicas)`: a tensor group and a pipeline read one replica's batches."""
         return self.layout.coordinates(self.rank)[0], self.layout.data
 
-    @property
-    def pipeline_process_set(self):
-        """The Horovod process set of this rank's pipeline (all ranks: one pipeline)."""
-        return self._hvd.global_process_set
+    # With a pipeline: the Horovod process set of this rank's pipeline, ranks
+    # in stage order, and that of the replicas of its stage (None with one
+    # pipeline).
+    pipeline_process_set = None
+    data_process_set = None
 
-    def broadcast_from(self, variables, root_rank):
-        """Overwrites `variables` (Keras variables) with rank `root_rank`'s values."""
-        self._hvd.broadcast_variables([v.value for v in variables], root_rank=root_rank)
+    def broadcast_from_stage(self, variables, stage):
+        """Overwrites `variables` (Keras variables) with those of pipeline
+        stage `stage` of this rank's pipeline."""
+        # One eager broadcast per variable: `hvd.broadcast_variables` wraps
+        # them in a tf.function that fails to find an added process set.
+        root = self.layout.pipeline_group()[stage]
+        for index, variable in enumerate(variables):
+            variable.assign(self._hvd.broadcast(
+                variable.value, root_rank=root, name=f"pipeline_stage_{stage}_{index}",
+                process_set=self.pipeline_process_set,
+            ))
 
     def configure_devices(self, intra_op_threads=0, *, towers=1, batch_size=0, xla=False):
         """Pins one GPU per local rank; splits CPU cores among local ranks.

@@ -135,17 +135,18 @@ class ParallelLayout:
             f"tensor {self.tensor} (tensor groups {self.tensor_groups()}); " + "; ".join(parts)
         )
 
-    def process_sets(self, hvd, rank):
-        """`(tensor_set, data_set)` of `rank`: Horovod process sets, or None for one rank.
+    def process_sets(self, hvd, rank=None):
+        """`rank`'s Horovod process sets: `{"tensor": ..., "pipeline": ..., "data": ...}`.
 
-        Every rank registers every group in the same order (Horovod's
-        `add_process_set` is collective), which needs
+        A group of one rank has None; a group of every rank is Horovod's
+        global set. Every rank registers every group in the same order
+        (Horovod's `add_process_set` is collective), which needs
         `HOROVOD_DYNAMIC_PROCESS_SETS=1` before `hvd.init()`.
         """
-        # A group of every rank is Horovod's global set, which exists already.
         sets = {tuple(range(self.size)): hvd.global_process_set}
-        for group in self.tensor_groups() + self.data_groups():
+        for group in self.tensor_groups() + self.pipeline_groups() + self.data_groups():
             if len(group) > 1 and tuple(group) not in sets:
                 sets[tuple(group)] = hvd.add_process_set(group)
-        return (sets.get(tuple(self.tensor_group(rank))),
-                sets.get(tuple(self.data_group(rank))))
+        return {kind: sets.get(tuple(group(rank))) for kind, group in (
+            ("tensor", self.tensor_group), ("pipeline", self.pipeline_group),
+            ("data", self.data_group))}

@@ -117,7 +117,8 @@ class PipelineStage:
 
     def broadcast_from_owners(self, broadcast):
         """Makes every rank's whole model the trained one: `broadcast(variables,
-        root)` is called for each virtual stage with the rank that runs it."""
+        stage)` is called for each virtual stage with the pipeline stage (rank
+        in the pipeline) that runs it."""
         for stage in range(self.last + 1):
             broadcast(self.owned_variables(stage), self.schedule.rank_of(stage))
 
@@ -127,6 +128,6 @@ class PipelineStage:
         for stage, (start, end) in enumerate(self.ranges):
             extra = (["embeddings"] if stage == 0 else []) + (
                 ["head"] if stage == self.last else [])
-            parts.append(f"stage {stage} (rank {self.schedule.rank_of(stage)}): blocks "
+            parts.append(f"stage {stage} (pipeline rank {self.schedule.rank_of(stage)}): blocks "
                          f"{start}-{end - 1}" + (f" + {', '.join(extra)}" if extra else ""))
         return "; ".join(parts)

@@ -8,7 +8,8 @@ checkpoints. A checkpoint is an ordinary one: before each save every
 stage's weights (and dropout state) are broadcast from the rank that
 trains them, so the chief writes the whole model, which `--resume`,
 generation and fine-tuning read like any other; each rank writes its own
-optimizer state beside it, in `OUT/pipeline/stage-R`.
+optimizer state beside it, in `OUT/pipeline/stage-S` (the first
+data-parallel replica of each stage writes it).
 """
 
 import os
@@ -61,7 +62,8 @@ def build_pipeline(model, optimizer, distribution, sequence_length):
     stage = PipelineStage(model, schedule, distribution.layout.stage,
                           partition=options.pipeline_partition, sequence_length=sequence_length)
     optimizer.build(stage.trainable_variables)
-    return stage, PipelineTrainStep(stage, optimizer, distribution.pipeline_process_set)
+    return stage, PipelineTrainStep(stage, optimizer, distribution.pipeline_process_set,
+                                    distribution.data_process_set)
 
 
 def describe(stage):
@@ -79,7 +81,7 @@ def describe(stage):
 
 
 class PipelineCheckpointer:
-    """The chief writes the whole model, step and dropout state; each rank its optimizer.
+    """The chief writes the whole model, step and dropout state; each stage its optimizer.
 
     Args:
         config: the run config (`out`, `keep_checkpoints`).
@@ -97,9 +99,11 @@ class PipelineCheckpointer:
         self.stage = stage
         self.whole = Checkpointer(config.out, distribution.is_chief, keep=config.keep_checkpoints,
                                   model=stage.model, step=step, rng=rng)
+        # The first replica of each stage writes its state; every replica reads it.
         self.own = Checkpointer(
-            os.path.join(config.out, "pipeline", f"stage-{distribution.layout.stage}"), True,
-            keep=config.keep_checkpoints, optimizer=optimizer,
+            os.path.join(config.out, "pipeline", f"stage-{distribution.layout.stage}"),
+            distribution.layout.data_index == 0, keep=config.keep_checkpoints,
+            optimizer=optimizer,
         )
 
     @property
@@ -111,7 +115,7 @@ class PipelineCheckpointer:
 
     def save(self, step):
         # Every rank takes part in the broadcasts; the chief then holds the whole model.
-        self.stage.broadcast_from_owners(self.distribution.broadcast_from)
+        self.stage.broadcast_from_owners(self.distribution.broadcast_from_stage)
         self.own.save(step)
         return self.whole.save(step)
 
