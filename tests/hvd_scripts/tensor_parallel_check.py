@@ -36,7 +36,7 @@ def main():
     out = sys.argv[1]
     hvd.init()
     layout = ParallelLayout(hvd.size(), tensor=2)
-    tensor_set, _ = layout.process_sets(hvd, hvd.rank())
+    tensor_set = layout.process_sets(hvd, hvd.rank())["tensor"]
     index = layout.coordinates(hvd.rank())[2]
     group = TensorSlice(hvd, tensor_set, layout.tensor, index)
 
