@@ -166,6 +166,19 @@ def test_each_fault_fires_its_rule_once_at_the_right_window_and_worker(fault, ru
         "communication-bound"
 
 
+@pytest.mark.parametrize("pipeline, names, remedy", [
+    (False, "the averaged gradients", "--fp16-allreduce"),
+    (True, "the pipeline's transfers and bubble", "Raise --microbatches"),
+])
+def test_communication_bound_names_the_pipelines_wait_in_a_pipeline_run(pipeline, names, remedy):
+    rules = monitor.Rules(["a", "b"], pipeline=pipeline)
+    waiting = [[_row(rank, compute=0.5, communication=0.4) for rank in (0, 1)]]
+    ((_, rule, message),) = _windows(rules, waiting)
+    assert rule == "communication-bound"
+    assert f"waited for {names} more than 40% of the time (over 25%)" in message
+    assert remedy in message and ("--fp16-allreduce" in message) != pipeline
+
+
 def test_a_loss_that_stops_falling_and_a_gradient_spike():
     rules = monitor.Rules(["a"])
     rows = [[_row(0)] for _ in range(30)]

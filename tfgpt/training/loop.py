@@ -337,7 +337,7 @@ def run_loop(config, distribution, report, *, model, optimizer, step, train_step
     grow_mib, kept = faults.for_rank(faults.GROW_MIB, distribution.rank), []
     rules = None
     if config.monitor_rules == "on":
-        rules = monitor.Rules(monitor.hostnames(distribution))
+        rules = monitor.Rules(monitor.hostnames(distribution), pipeline=pipelined(distribution))
     profiler = StepProfiler(
         config.profile_range(), os.path.join(config.out, "profile"), distribution.is_chief
     )

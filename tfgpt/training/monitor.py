@@ -196,6 +196,9 @@ class Rules:
 
     Args:
         hosts: list of str. Host name by rank (`hostnames`).
+        pipeline: bool. The run is cut into pipeline stages, whose waits are
+            the pipeline's transfers and bubble: `communication-bound` then
+            names those and their remedies, not the gradient average's.
     """
 
     INPUT_SHARE = 0.20
@@ -206,8 +209,9 @@ class Rules:
     LOSS_WINDOWS = 10
     SPIKE_RATIO, SPIKE_HISTORY = 5.0, 5
 
-    def __init__(self, hosts):
+    def __init__(self, hosts, pipeline=False):
         self.hosts = list(hosts)
+        self.pipeline = pipeline
         self.fired = []
         self._slow_streak = {}  # rank -> windows in a row above the median
         self._growth_streak = {}
@@ -267,9 +271,15 @@ class Rules:
         least = min(rows, key=lambda row: row["communication"])
         if len(rows) < 2 or least["communication"] <= self.COMMUNICATION_SHARE:
             return []
+        share = f"{least['communication']:.0%} of the time (over {self.COMMUNICATION_SHARE:.0%})"
+        if self.pipeline:
+            return [("communication-bound", (
+                f"every stage waited for the pipeline's transfers and bubble more than {share}. "
+                "Raise --microbatches, use --pipeline-schedule 1f1b, or fewer stages "
+                "(--pipeline-parallel)"
+            ))]
         return [("communication-bound", (
-            f"every worker waited for the averaged gradients more than "
-            f"{least['communication']:.0%} of the time (over {self.COMMUNICATION_SHARE:.0%}). "
+            f"every worker waited for the averaged gradients more than {share}. "
             "Raise the work per step (--batch-size, --accumulation-steps), use --fp16-allreduce, "
             "or a faster network"
         ))]
