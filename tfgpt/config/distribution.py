@@ -18,6 +18,7 @@ STRATEGIES = ("default", "one-device", "mirrored", "multi-worker")
 ZERO_STAGES = (0, 1, 2, 3)
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 PIPELINE_PARTITIONS = ("uniform", "balanced")
+ALLREDUCE_TRANSPORTS = ("auto", "shared-memory", "horovod")
 
 
 def check_pipeline_schedule(schedule, stages, microbatches, virtual_stages):
@@ -55,6 +56,13 @@ class HorovodOptions:
         allreduce_bucket_mb: float. Megabytes of gradients per grouped
             allreduce (or reduce-scatter), cut in backward order; 0 sends
             each gradient on its own.
+        allreduce_transport: str. How the gradients are averaged:
+            shared-memory (workers on one host, CPU: one copy in and out
+            of a shared segment per step, no sockets), horovod (Horovod's
+            allreduce, in buckets), or auto (shared-memory where it
+            applies: one host, no GPU, data parallelism without ZeRO,
+            tensor or pipeline parallelism, elastic or --fp16-allreduce;
+            horovod otherwise).
         zero_stage: int. Shard the training state over the workers (ZeRO):
             1 the optimizer moments, 2 also the gradients, 3 also the
             parameters, gathered block by block when used; 0 keeps all of
@@ -105,10 +113,12 @@ class HorovodOptions:
     """
 
     CHOICES = {"zero_stage": ZERO_STAGES, "pipeline_schedule": PIPELINE_SCHEDULES,
-               "pipeline_partition": PIPELINE_PARTITIONS}
+               "pipeline_partition": PIPELINE_PARTITIONS,
+               "allreduce_transport": ALLREDUCE_TRANSPORTS}
 
     fp16_allreduce: bool = False
     allreduce_bucket_mb: float = ALLREDUCE_BUCKET_MB
+    allreduce_transport: str = "auto"
     zero_stage: int = 0
     elastic: bool = False
     commit_every: int = 10
@@ -126,6 +136,7 @@ class HorovodOptions:
                 f"Received: allreduce_bucket_mb={self.allreduce_bucket_mb!r}"
             )
         require_one_of("zero_stage", self.zero_stage, ZERO_STAGES)
+        require_one_of("allreduce_transport", self.allreduce_transport, ALLREDUCE_TRANSPORTS)
         require_positive_int("commit_every", self.commit_every)
         if self.elastic and self.zero_stage:
             raise ValueError(

@@ -18,6 +18,7 @@ the last layers' gradients while the backward pass is still computing the
 first layers', in a dozen transfers per step rather than one per variable.
 """
 
+import logging
 import os
 
 import keras
@@ -198,7 +199,42 @@ class HorovodDistribution(LocalDistribution):
         distribution.configure_devices(**device_settings(config))
         distribution.options = options
         distribution.zero_stage = options.zero_stage
+        distribution.choose_transport(options)
         return distribution
+
+    # Averages the float32 gradients of a step when not None
+    # (`tfgpt.distributed.shared_memory`); `averaging` says how, for the
+    # start-up line.
+    _shared = None
+    _shared_required = False
+    averaging = "Horovod allreduce"
+
+    def choose_transport(self, options):
+        """Takes shared memory for the gradient average where
+        `options.allreduce_transport` and the run allow it.
+
+        Raises:
+            ValueError: `shared-memory` asked for where it cannot work.
+        """
+        from tfgpt.distributed import shared_memory
+
+        if options.allreduce_transport == "horovod":
+            return
+        gpus = bool(tf.config.get_visible_devices("GPU"))
+        reason = shared_memory.unavailable_reason(options, self.num_workers, self.local_size,
+                                                  gpus)
+        if reason:
+            if options.allreduce_transport == "shared-memory":
+                raise ValueError(
+                    f"--allreduce-transport shared-memory cannot average this run's gradients: "
+                    f"{reason}; use --allreduce-transport auto or horovod"
+                )
+            if self.num_workers > 1:
+                self.averaging = f"Horovod allreduce (not shared memory: {reason})"
+            return
+        self._shared = shared_memory.SharedMemoryAllreduce(self._hvd)
+        self._shared_required = options.allreduce_transport == "shared-memory"
+        self.averaging = f"shared memory ({self.num_workers} workers on one host)"
 
     def scope(self):
         """Where the model is built: in this rank's tensor slice, if any."""
@@ -258,6 +294,10 @@ class HorovodDistribution(LocalDistribution):
         with more, Gloo's ring may add in another order, a float32
         round-off difference).
 
+        With the shared-memory transport (`choose_transport`) the float32
+        gradients are averaged instead in one call after the backward pass
+        (`tfgpt.distributed.shared_memory`).
+
         One worker's gradients are their own average: they are returned
         as they are, without Horovod, whose background thread would hold
         the step up to one `HOROVOD_CYCLE_TIME` for the last bucket (3.9%
@@ -268,6 +308,11 @@ class HorovodDistribution(LocalDistribution):
         """
         if self.size == 1:
             return list(gradients)
+        if self._shared is not None:
+            return self._average_in_shared_memory(gradients)
+        return self._average_with_horovod(gradients)
+
+    def _average_with_horovod(self, gradients):
         # Under tensor parallelism: over the data group (every gradient of a
         # tensor group's ranks is already whole, `tensor_parallel`).
         where = {} if self._data_set is None else {"process_set": self._data_set}
@@ -282,6 +327,31 @@ class HorovodDistribution(LocalDistribution):
             for index, gradient in zip(bucket, reduced):
                 averaged[index] = gradient
         return averaged
+
+    def _average_in_shared_memory(self, gradients):
+        """The float32 gradients of known shape in one shared-memory call, the
+        others (if any) through Horovod."""
+        gradients = [tf.convert_to_tensor(g) for g in gradients]
+        shared = [i for i, g in enumerate(gradients)
+                  if g.dtype == tf.float32 and g.shape.is_fully_defined()]
+        try:
+            averaged = self._shared([gradients[i] for i in shared])
+        except RuntimeError as error:  # the same on every rank
+            if self._shared_required:
+                raise
+            self._shared = None
+            self.averaging = f"Horovod allreduce ({error})"
+            logging.getLogger("tfgpt.distributed").warning("%s: averaging through Horovod", error)
+            return self._average_with_horovod(gradients)
+        result = list(gradients)
+        for index, value in zip(shared, averaged):
+            result[index] = value
+        rest = sorted(set(range(len(gradients))) - set(shared))
+        if rest:
+            for index, value in zip(rest, self._average_with_horovod(
+                    [gradients[i] for i in rest])):
+                result[index] = value
+        return result
 
     def allreduce_mean(self, value):
         """Averages a tensor over all workers."""

@@ -194,6 +194,8 @@ def state_line(model, distribution, zero):
         line += f", plus {gib(sizes['gathered'])} gathered while the largest unit runs"
     if stage:
         line += f" (stage 0: {gib(state_bytes(parameters, 0, 1)['state'])})"
+    if distribution.size > 1 and hasattr(distribution, "averaging"):
+        line += f"; gradients averaged by {distribution.averaging}"
     return line
 
 
