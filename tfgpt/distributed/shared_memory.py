@@ -76,6 +76,11 @@ def unavailable_reason(options, num_workers, local_size, gpus):
     return ""
 
 
+def segment_path(key):
+    """The file of segment `key` while its ranks map it."""
+    return os.path.join(SEGMENT_DIRECTORY, f"tfgpt-allreduce-{key:016x}")
+
+
 class SharedMemoryAllreduce:
     """Averages float32 tensors over the `size` workers of one host.
 
@@ -124,7 +129,7 @@ class SharedMemoryAllreduce:
             token = secrets.randbits(62) if rank == 0 else 0
             key = int(hvd.broadcast(tf.constant(token, tf.int64), root_rank=0,
                                     name=name + "_key"))
-            path = os.path.join(SEGMENT_DIRECTORY, f"tfgpt-allreduce-{key:016x}")
+            path = segment_path(key)
             error = ""
             try:
                 self._library.tfgpt_shm_attach(path=path, key=key, rank=rank, size=size,
@@ -146,3 +151,8 @@ class SharedMemoryAllreduce:
                 "--shm-size) or use --allreduce-transport horovod"
             )
         self._key, self._capacity = key, capacity
+
+    @property
+    def key(self):
+        """The mapped segment's key (None before the first call)."""
+        return self._key
