@@ -148,10 +148,11 @@ class HorovodOptions:
                 f"one). Received: microbatches={self.microbatches}, "
                 f"virtual_stages={self.virtual_stages}, pipeline_parallel=1"
             )
-        if self.pipeline_parallel > 1 and self.zero_stage:
+        if self.pipeline_parallel > 1 and self.zero_stage > 1:
             raise ValueError(
-                "--zero-stage does not shard a pipeline's stages over its replicas yet. "
-                f"Received: zero_stage={self.zero_stage}, "
+                f"--zero-stage {self.zero_stage} does not combine with --pipeline-parallel: "
+                "use --zero-stage 1, which shards each stage's optimizer state over its "
+                f"replicas. Received: zero_stage={self.zero_stage}, "
                 f"pipeline_parallel={self.pipeline_parallel}"
             )
         if self.elastic and self.pipeline_parallel > 1:

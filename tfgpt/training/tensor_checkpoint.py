@@ -6,6 +6,10 @@ directory:
 - `tensor/ckpt-S/slice-I-of-T.*`, one per slice, written by the ranks of
   the first data replica: a `tf.train.Checkpoint` of the slice's model,
   optimizer (its moments are the slice's) and dropout states;
+- under `--zero-stage 1`, the slices hold no optimizer: every rank
+  writes its shards and their optimizer state in
+  `tensor/ckpt-S/slice-I-of-T-replica-D-of-N.*`, read back on the same
+  layout only (`merge` and `split` take runs without ZeRO);
 - `ckpt-S.*`, the chief's, with the step, through the same
   `CheckpointManager` as every run: its index names `ckpt-S` only once
   every slice is on disk, so a run killed mid-save resumes from the
@@ -61,7 +65,7 @@ def slice_count(directory, step):
     root = slices_directory(directory, step)
     if not os.path.isdir(root):
         return None
-    sizes = {int(name.split("-of-")[1].split(".")[0])
+    sizes = {int(name.split("-of-")[1].split(".")[0].split("-")[0])  # (a ZeRO rank's: -replica-)
              for name in os.listdir(root) if name.startswith("slice-")}
     return sizes.pop() if len(sizes) == 1 else None
 
@@ -91,14 +95,26 @@ class TensorParallelCheckpointer:
         checkpointer: the chief's `Checkpointer` of the step.
         model, optimizer: this rank's slice of them.
         distribution: `HorovodDistribution` with a `tensor_slice`.
+        zero: the run's `ZeroSharding` (`--zero-stage 1`), or None.
     """
 
-    def __init__(self, checkpointer, model, optimizer, distribution):
+    def __init__(self, checkpointer, model, optimizer, distribution, zero=None):
         self.checkpointer = checkpointer
         self.directory = checkpointer.directory
         self.distribution = distribution
         self.tensor_slice = distribution.tensor_slice
-        self.slice_checkpoint = tf.train.Checkpoint(**_trackables(model, optimizer))
+        trackables = _trackables(model, optimizer)
+        self.shard_checkpoint = None
+        if zero is not None:
+            del trackables["optimizer"]  # its moments are this rank's shards
+            self.shard_checkpoint = tf.train.Checkpoint(
+                optimizer=optimizer, shards=[shard.value for shard in zero.shards])
+        self.slice_checkpoint = tf.train.Checkpoint(**trackables)
+
+    def _shard_prefix(self, step, size):
+        layout = self.distribution.layout
+        return (slice_prefix(self.directory, step, self.tensor_slice.index, size)
+                + f"-replica-{layout.data_index}-of-{layout.data}")
 
     @property
     def latest(self):
@@ -113,6 +129,8 @@ class TensorParallelCheckpointer:
             self.slice_checkpoint.write(
                 slice_prefix(self.directory, step, self.tensor_slice.index, self.tensor_slice.size)
             )
+        if self.shard_checkpoint is not None:
+            self.shard_checkpoint.write(self._shard_prefix(step, self.tensor_slice.size))
         self.distribution.allreduce_mean(tf.constant(0.0))  # barrier: every slice on disk
         path = self.checkpointer.save(step)
         if path:
@@ -135,6 +153,14 @@ class TensorParallelCheckpointer:
         self.checkpointer.checkpoint.restore(path).assert_existing_objects_matched()
         prefix = slice_prefix(self.directory, step, self.tensor_slice.index, found)
         self.slice_checkpoint.read(prefix).assert_existing_objects_matched()
+        if self.shard_checkpoint is not None:
+            shards = self._shard_prefix(step, found)
+            if not os.path.exists(shards + ".index"):
+                raise ValueError(
+                    f"{path} has no ZeRO shards for this rank ({shards}): resume with the "
+                    "--zero-stage, --tensor-parallel and number of workers it was saved with"
+                )
+            self.shard_checkpoint.read(shards).assert_existing_objects_matched()
         return path
 
 
