@@ -148,3 +148,14 @@ def test_train_hvd_reports_the_shards_and_resumes_bitwise(tiny_data, tmp_path, l
     expected, resumed = train_losses(straight), train_losses(killed)
     for at_step in (3, 4):
         assert resumed[at_step] == expected[at_step], at_step
+    # The weights read whole, as any run's (the slices joined, or the chief's model).
+    from tfgpt.loading import load_model
+
+    model, _ = load_model(str(straight))
+    assert len(model.generate([[5, 6, 7]], max_new_tokens=2)[0]) == 2
+    if "--tensor-parallel" in layout:
+        from tfgpt.training import tensor_checkpoint
+
+        with pytest.raises(ValueError, match="written with --zero-stage 1: its optimizer moments "
+                                             "are shards, which merge does not join"):
+            tensor_checkpoint.merge(str(straight), str(tmp_path / "merged"))

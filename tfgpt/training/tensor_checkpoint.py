@@ -70,6 +70,12 @@ def slice_count(directory, step):
     return sizes.pop() if len(sizes) == 1 else None
 
 
+def zero_written(directory, step):
+    """Whether the tensor-parallel checkpoint at `step` holds ZeRO shards (and its
+    slices no optimizer)."""
+    return any("-replica-" in name for name in os.listdir(slices_directory(directory, step)))
+
+
 def split_elsewhere_error(path, found, wanted):
     """The error for a checkpoint of another layout than this run's."""
     what = {None: "a whole model (no --tensor-parallel)"}.get(found, f"--tensor-parallel {found}")
@@ -151,6 +157,9 @@ class TensorParallelCheckpointer:
         if found != self.tensor_slice.size:
             raise split_elsewhere_error(path, found, self.tensor_slice.size)
         self.checkpointer.checkpoint.restore(path).assert_existing_objects_matched()
+        if self.shard_checkpoint is None and zero_written(self.directory, step):
+            raise ValueError(f"{path} was written with --zero-stage 1: its optimizer moments "
+                             "are shards; resume it with --zero-stage 1 on the same layout")
         prefix = slice_prefix(self.directory, step, self.tensor_slice.index, found)
         self.slice_checkpoint.read(prefix).assert_existing_objects_matched()
         if self.shard_checkpoint is not None:
@@ -208,15 +217,19 @@ def _pairs(model, optimizer):
     return pairs
 
 
-def _slices(directory, step, size, family, model_config, train_config):
-    """The `size` slice models and optimizers of `directory`'s checkpoint at `step`."""
+def _slices(directory, step, size, family, model_config, train_config, optimizer=True):
+    """The `size` slice models and optimizers of `directory`'s checkpoint at `step`
+    (without `optimizer`, the optimizers are not read)."""
     built = []
     for index in range(size):
-        model, optimizer = _build(family, model_config, train_config,
-                                  TensorSlice(None, None, size, index))
-        tf.train.Checkpoint(**_trackables(model, optimizer)).read(
+        model, slice_optimizer = _build(family, model_config, train_config,
+                                        TensorSlice(None, None, size, index))
+        trackables = _trackables(model, slice_optimizer)
+        if not optimizer:
+            del trackables["optimizer"]
+        tf.train.Checkpoint(**trackables).read(
             slice_prefix(directory, step, index, size)).assert_existing_objects_matched()
-        built.append((model, optimizer))
+        built.append((model, slice_optimizer))
     return built
 
 
@@ -239,7 +252,7 @@ def restore_whole(directory, path, model):
     _, family, model_config, train_config = _run_configs(directory)
     step = step_of(path)
     size = slice_count(directory, step)
-    slices = _slices(directory, step, size, family, model_config, train_config)
+    slices = _slices(directory, step, size, family, model_config, train_config, optimizer=False)
     rules = split_rules(slices[0][0])
     for index, variable in enumerate(model.trainable_variables):
         parts = [m.trainable_variables[index].numpy() for m, _ in slices]
@@ -269,6 +282,9 @@ def merge(directory, out):
     size = slice_count(directory, step)
     if size is None:
         raise ValueError(f"{path} is an ordinary checkpoint already: nothing to merge")
+    if zero_written(directory, step):
+        raise ValueError(f"{path} was written with --zero-stage 1: its optimizer moments are "
+                         "shards, which merge does not join; resume it on the same layout")
     # Slice 0's dropout states are the whole model's (the others' split
     # dropouts are offset from them).
     slices = _slices(directory, step, size, family, model_config, train_config)
