@@ -30,11 +30,13 @@ def _shard_elements(result, data_index, replicas=2):
     return total
 
 
-def _assert_sharded(results, data_index_of):
+def _assert_sharded(results, data_index_of, replicas=2):
     for rank, result in enumerate(results):
         whole = 2 * sum(int(np.prod([s for s in shape if s >= 0])) for shape in result["shapes"])
-        assert result["slot_elements"] == _shard_elements(result, data_index_of(rank)), rank
-        assert result["slot_elements"] < 0.6 * whole, rank  # about half of the slice's or stage's
+        shard = _shard_elements(result, data_index_of(rank), replicas)
+        assert result["slot_elements"] == shard, rank
+        # About 1 / replicas of the slice's or stage's moments.
+        assert result["slot_elements"] < (1 / replicas + 0.1) * whole, rank
 
 
 # ---- Equivalence with one process ----------------------------------------------------
@@ -77,6 +79,22 @@ def test_pipeline_with_zero_1_matches_one_process(tmp_path):
     # Ranks 0, 1 are pipeline 0's stages, ranks 2, 3 pipeline 1's.
     _assert_sharded(results, lambda rank: rank // 2)
     np.testing.assert_array_equal(results[1]["shapes"], results[3]["shapes"])
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_data_group_of_one_rank_keeps_whole_moments_and_matches_one_process(tmp_path):
+    # -np 2: TP2 or PP2 alone, one data replica: nothing to shard over (no
+    # process set for a group of one: no collective may run on the global set).
+    for script, flags in [("tensor_parallel_train.py", ["--tensor", "2"]),
+                          ("pipeline_check.py", ["--stages", "2", "--microbatches", "4"])]:
+        oracle = run_and_load(HVD_SCRIPTS / script, tmp_path, "one", 0)[0]
+        results = run_and_load(HVD_SCRIPTS / script, tmp_path, "alone", 2, "--zero-stage", "1",
+                               *flags)
+        for result in results:
+            np.testing.assert_allclose(result["losses"], oracle["losses"], rtol=0, atol=1e-5)
+            np.testing.assert_allclose(result["norms"], oracle["norms"], rtol=0, atol=1e-5)
+        _assert_sharded(results, lambda rank: 0, replicas=1)
 
 
 # ---- What stays refused ----------------------------------------------------------------

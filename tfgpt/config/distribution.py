@@ -59,6 +59,8 @@ class HorovodOptions:
             1 the optimizer moments, 2 also the gradients, 3 also the
             parameters, gathered block by block when used; 0 keeps all of
             it on every worker (README, Models larger than one worker).
+            With --tensor-parallel or --pipeline-parallel only 1: each
+            slice's or stage's moments are sharded over its data replicas.
         elastic: bool. Pretraining only: elastic training (`horovodrun
             --min-np/--max-np --host-discovery-script`). When a worker is
             lost the others go back to the last commit and go on without

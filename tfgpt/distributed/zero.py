@@ -234,6 +234,8 @@ class ZeroSharding:
         return self._reduce_scatter(gradients)
 
     def _reduce_scatter(self, gradients):
+        if self.size == 1:  # a data group of one rank (T or P ranks in all): no process set
+            return list(gradients)
         shards = [None] * len(gradients)
         for bucket in gradient_buckets(gradients, self.bucket_bytes):
             reduced = self._hvd.grouped_reducescatter(
@@ -245,6 +247,8 @@ class ZeroSharding:
 
     def sum_over_ranks(self, values):
         """Sums a float32 vector over the data group (partial norms, overflow flags)."""
+        if self.size == 1:
+            return values
         return self._hvd.allreduce(values, op=self._hvd.Sum, **self._where)
 
     # --- the update -----------------------------------------------------------------
@@ -294,6 +298,10 @@ class ZeroSharding:
 
     def _gather_into_variables(self):
         values = [shard.value for shard in self.shards]
+        if self.size == 1:
+            for variable, value in zip(self.variables, values):
+                variable.assign(value)
+            return
         # Buckets cut by the whole variables' sizes, the same on every rank
         # (the shards' sizes differ when the rows do not divide evenly).
         wholes = [tf.TensorSpec(v.shape, v.dtype) for v in self.variables]
@@ -305,6 +313,8 @@ class ZeroSharding:
 
     def gather_weights(self):
         """The whole value of every trainable variable, in model order (all ranks call it)."""
+        if self.size == 1:
+            return [shard.value for shard in self.shards]
         return self._hvd.grouped_allgather([shard.value for shard in self.shards], **self._where)
 
     def load_shards(self, values):
