@@ -144,7 +144,7 @@ def _tensors(prefix):
      "tensor/ckpt-4/slice-001-of-002-replica-1-of-2"),
     (["--pipeline-parallel", "2", "--microbatches", "2"],
      "2 data replica(s) x pipeline 2, this rank's stage", "pipeline/stage-1/replica-1-of-2/ckpt-4"),
-])
+], ids=["tensor", "pipeline"])
 def test_train_hvd_reports_the_shards_and_resumes_bitwise(tiny_data, tmp_path, layout,
                                                           ranks_line, shards):
     straight, killed = tmp_path / "straight", tmp_path / "killed"

@@ -148,7 +148,8 @@ class PipelineCheckpointer:
         if not os.path.exists(own + ".index"):
             raise ValueError(
                 f"{path} has no optimizer state for pipeline stage {self.distribution.layout.stage}"
-                f" ({own}): resume with the --pipeline-parallel and schedule it was saved with"
+                f" ({own}): resume with the --pipeline-parallel, schedule and --zero-stage it was "
+                "saved with"
             )
         self.own.checkpoint.restore(own).assert_existing_objects_matched()
         return path
