@@ -20,7 +20,7 @@ PIPELINE = ["--pipeline-parallel", "2", "--microbatches", "2", "--batch-size", "
           virtual_stages=2), r"--microbatches must be divisible by it.*microbatches=3"),
     (dict(pipeline_parallel=2, virtual_stages=2), r"--virtual-stages is for --pipeline-sch"),
     (dict(microbatches=4), r"need --pipeline-parallel of at least 2.*microbatches=4"),
-    (dict(pipeline_parallel=2, zero_stage=1), r"zero_stage=1, pipeline_parallel=2"),
+    (dict(pipeline_parallel=2, zero_stage=2), r"use --zero-stage 1.*zero_stage=2, pipeline_parallel=2"),
     (dict(pipeline_parallel=0), r"`pipeline_parallel` must be a positive integer"),
     (dict(pipeline_parallel=2, pipeline_partition="random"), r"pipeline_partition='random'"),
 ])

@@ -49,7 +49,7 @@ def test_encoders_are_refused(family):
 
 
 @pytest.mark.parametrize("train, zero_stage, flag", [
-    ({"xla": True}, 0, "--xla"), ({}, 1, "--zero-stage 1"), ({"recompute": True}, 0, "--recompute"),
+    ({"xla": True}, 0, "--xla"), ({"recompute": True}, 0, "--recompute"),
     ({"optimizer": "lamb"}, 0, "--optimizer lamb"),
     ({"mixed_precision": "float16"}, 0, "--mixed-precision float16"),
 ])

@@ -1,19 +1,23 @@
 """Pipeline parallelism against one process: run under horovodrun, or alone for the oracle.
 
-Every step has a global batch of ROWS sequences. Under horovodrun each
-rank is one stage (of `--stages`) of a tiny GPT (`PipelineStage`,
+Every step has a global batch of `--rows` sequences (ROWS by default).
+Under horovodrun each rank is one stage (of `--stages`) of a tiny GPT (`PipelineStage`,
 `PipelineTrainStep`, the layout and process sets of `HorovodDistribution`);
 each pipeline trains on its rows of the batch (all of them with one
 pipeline) in `--microbatches` micro-batches; with
 `--global` one process trains the whole model on the same batches
 through `TrainStep`. Writes OUT/<tag>-rank-R.npz: the final whole weights
 (each stage's broadcast from the rank that trained it), the losses and
-the gradient norms.
+the gradient norms. With `--zero-stage 1` each rank's optimizer is built
+on its shards of its stage's variables (`ZeroSharding` over the stage's
+data group), and the file also holds `shapes` (the stage's trained
+variables' shapes, padded with -1) and `slot_elements` (this rank's
+elements of both optimizer moments).
 
 Usage: pipeline_check.py OUT TAG [--global] [--schedule gpipe|1f1b|interleaved]
 [--microbatches M] [--stages P] [--virtual-stages V] [--partition uniform|balanced]
 [--clip C] [--dropout R] [--untied] [--layers L] [--die-at-step K]
-[--precision off|bfloat16]
+[--precision off|bfloat16] [--zero-stage S] [--rows R]
 """
 
 import argparse
@@ -25,6 +29,7 @@ import tensorflow as tf
 
 from tfgpt import GPT
 from tfgpt.config.training import TrainConfig
+from tfgpt.distributed.zero import slot_variables
 from tfgpt.training.loop import POLICIES
 from tfgpt.training.optimizers import make_optimizer
 
@@ -34,9 +39,9 @@ ROWS = 12
 LENGTH = 7
 
 
-def batches():
+def batches(rows=ROWS):
     rng = np.random.default_rng(1000)
-    return [tuple(rng.integers(0, VOCABULARY, (ROWS, LENGTH)).astype("int32") for _ in range(2))
+    return [tuple(rng.integers(0, VOCABULARY, (rows, LENGTH)).astype("int32") for _ in range(2))
             for _ in range(STEPS)]
 
 
@@ -56,6 +61,8 @@ def main():
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--die-at-step", type=int, default=0)
     parser.add_argument("--precision", default="off")
+    parser.add_argument("--zero-stage", type=int, default=0)
+    parser.add_argument("--rows", type=int, default=ROWS)
     args = parser.parse_args()
 
     if not args.global_batch:
@@ -66,7 +73,7 @@ def main():
         distribution = HorovodDistribution.create(HorovodOptions(
             pipeline_parallel=args.stages, microbatches=args.microbatches,
             pipeline_schedule=args.schedule, virtual_stages=args.virtual_stages,
-            pipeline_partition=args.partition,
+            pipeline_partition=args.partition, zero_stage=args.zero_stage,
         ))
     config = TrainConfig(
         data=args.out, steps=STEPS, learning_rate=0.01, warmup_steps=2, weight_decay=0.1,
@@ -79,7 +86,7 @@ def main():
                 tie_embeddings=not args.untied)
     optimizer = make_optimizer(config, 1, steps=STEPS)
     rank = 0
-    data = batches()
+    data = batches(args.rows)
     if args.global_batch:
         from tfgpt.distributed.local import LocalDistribution
         from tfgpt.training.train_step import TrainStep
@@ -98,13 +105,20 @@ def main():
                                     args.virtual_stages)
         stage = PipelineStage(model, schedule, layout.stage, partition=args.partition,
                               sequence_length=LENGTH)
-        optimizer.build(stage.trainable_variables)
+        zero = None
+        if args.zero_stage:
+            from tfgpt.distributed.zero import ZeroSharding
+
+            zero = ZeroSharding(args.zero_stage, model, optimizer, distribution,
+                                variables=stage.trainable_variables)
+        else:
+            optimizer.build(stage.trainable_variables)
         step = PipelineTrainStep(stage, optimizer, distribution.pipeline_process_set,
-                                 distribution.data_process_set)
+                                 distribution.data_process_set, zero=zero)
         variables = model.trainable_variables
         # Each pipeline (data-parallel replica) trains on its rows of the batch.
-        rows = slice(layout.data_index * ROWS // layout.data,
-                     (layout.data_index + 1) * ROWS // layout.data)
+        rows = slice(layout.data_index * args.rows // layout.data,
+                     (layout.data_index + 1) * args.rows // layout.data)
         data = [(inputs[rows], targets[rows]) for inputs, targets in data]
     losses, norms = [], []
     for index, batch in enumerate(data):
@@ -119,8 +133,12 @@ def main():
     if not args.global_batch:
         stage.broadcast_from_owners(distribution.broadcast_from_stage)
         distribution.allreduce_mean(tf.constant(0.0))  # no rank leaves while others broadcast
+    trained = model.trainable_variables if args.global_batch else stage.trainable_variables
+    slots = slot_variables(optimizer)
     np.savez(
         f"{args.out}/{args.tag}-rank-{rank}.npz", losses=np.array(losses), norms=np.array(norms),
+        shapes=np.array([list(v.shape) + [-1] * (3 - len(v.shape)) for v in trained]),
+        slot_elements=sum(int(np.prod(v.shape)) for kind in slots.values() for v in kind),
         **{f"weight_{i}": v.numpy() for i, v in enumerate(variables)},
     )
 

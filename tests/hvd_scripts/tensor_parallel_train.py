@@ -9,10 +9,14 @@ same seed. Writes OUT/<tag>-rank-R.npz: the trainable variables (this
 rank's slices) in model order, each one's split rule (`rule_I`, absent
 for a replicated variable), the losses (averaged over the ranks), the
 gradient norms, and the dropout seed states (`seeds`; `split_seeds` marks
-the attention probabilities' dropouts).
+the attention probabilities' dropouts). With `--zero-stage 1`, each
+rank's optimizer is built on its shards of its slice (`ZeroSharding` over
+the data group), and the file also holds `shapes` (the slice's trainable
+variables' shapes, padded with -1) and `slot_elements` (this rank's
+elements of both optimizer moments).
 
 Usage: tensor_parallel_train.py OUT TAG [--tensor T] [--global] [--clip C]
-[--dropout P] [--untied] [--steps K]
+[--dropout P] [--untied] [--steps K] [--zero-stage S]
 """
 
 import argparse
@@ -23,6 +27,7 @@ import numpy as np
 from tfgpt import GPT
 from tfgpt.config.training import TrainConfig
 from tfgpt.distributed.tensor_parallel import split_rules
+from tfgpt.distributed.zero import slot_variables
 from tfgpt.training.optimizers import make_optimizer
 from tfgpt.training.train_step import TrainStep
 
@@ -52,6 +57,7 @@ def main():
     parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--untied", action="store_true")
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--zero-stage", type=int, default=0)
     args = parser.parse_args()
 
     if args.global_batch:
@@ -73,9 +79,16 @@ def main():
                     intermediate_dim=24, max_sequence_length=LENGTH, dropout=args.dropout,
                     tie_embeddings=not args.untied)
     optimizer = make_optimizer(config, 1, steps=args.steps)
-    optimizer.build(model.trainable_variables)
-    distribution.broadcast_variables(model.variables + optimizer.variables)
-    step = TrainStep(model, optimizer, distribution)
+    zero = None
+    if args.zero_stage:
+        from tfgpt.distributed.zero import ZeroSharding
+
+        distribution.broadcast_variables(model.variables)
+        zero = ZeroSharding(args.zero_stage, model, optimizer, distribution)
+    else:
+        optimizer.build(model.trainable_variables)
+        distribution.broadcast_variables(model.variables + optimizer.variables)
+    step = TrainStep(model, optimizer, distribution, zero=zero)
     index, count = distribution.data_shard()
     losses, norms = [], []
     for batch in batches_of(index, count, args.steps):
@@ -88,8 +101,11 @@ def main():
     # The attention probabilities' dropouts: the split regions.
     split_states = {id(block.attention.attention_dropout.seed_generator.state)
                     for block in model.blocks if args.dropout}
+    slots = slot_variables(optimizer)
     np.savez(
         f"{args.out}/{args.tag}-rank-{distribution.rank}.npz",
+        shapes=np.array([list(v.shape) + [-1] * (3 - len(v.shape)) for v in variables]),
+        slot_elements=sum(int(np.prod(v.shape)) for kind in slots.values() for v in kind),
         losses=np.array(losses), norms=np.array(norms),
         seeds=np.array([v.numpy() for v in states]),
         split_seeds=np.array([id(v) in split_states for v in states], bool),

@@ -67,6 +67,8 @@ class HorovodOptions:
             1 the optimizer moments, 2 also the gradients, 3 also the
             parameters, gathered block by block when used; 0 keeps all of
             it on every worker (README, Models larger than one worker).
+            With --tensor-parallel or --pipeline-parallel only 1: each
+            slice's or stage's moments are sharded over its data replicas.
         elastic: bool. Pretraining only: elastic training (`horovodrun
             --min-np/--max-np --host-discovery-script`). When a worker is
             lost the others go back to the last commit and go on without
@@ -159,10 +161,11 @@ class HorovodOptions:
                 f"one). Received: microbatches={self.microbatches}, "
                 f"virtual_stages={self.virtual_stages}, pipeline_parallel=1"
             )
-        if self.pipeline_parallel > 1 and self.zero_stage:
+        if self.pipeline_parallel > 1 and self.zero_stage > 1:
             raise ValueError(
-                "--zero-stage does not shard a pipeline's stages over its replicas yet. "
-                f"Received: zero_stage={self.zero_stage}, "
+                f"--zero-stage {self.zero_stage} does not combine with --pipeline-parallel: "
+                "use --zero-stage 1, which shards each stage's optimizer state over its "
+                f"replicas. Received: zero_stage={self.zero_stage}, "
                 f"pipeline_parallel={self.pipeline_parallel}"
             )
         if self.elastic and self.pipeline_parallel > 1:

@@ -57,6 +57,10 @@ class PipelineTrainStep:
             stage order.
         data_set: Horovod process set of this stage's data-parallel
             replicas, or None without data parallelism.
+        zero: `tfgpt.distributed.zero.ZeroSharding` of the stage's
+            variables over `data_set` (`--zero-stage 1`), or None: the
+            accumulated gradients are then reduce-scattered over the
+            replicas instead of averaged, and each rank updates its shards.
         timed: bool. Also return `tick_times`, `(start, end)` of each busy
             tick's computation, and `loop_time`, that of all the ticks
             (`time.perf_counter()` seconds; `bench/pipeline_schedules.py`).
@@ -68,7 +72,7 @@ class PipelineTrainStep:
     over the pipeline) up to the update.
     """
 
-    def __init__(self, stage, optimizer, pipeline_set, data_set=None, timed=False):
+    def __init__(self, stage, optimizer, pipeline_set, data_set=None, timed=False, zero=None):
         import horovod.tensorflow as hvd
 
         self._hvd = hvd
@@ -78,6 +82,7 @@ class PipelineTrainStep:
         self.pipeline_set = pipeline_set
         self.data_set = data_set
         self.timed = timed
+        self.zero = zero
         self.variables = stage.trainable_variables
         self._index = {id(v): index for index, v in enumerate(self.variables)}
         # One compiled forward pass per virtual stage of this rank, and the update.
@@ -86,6 +91,8 @@ class PipelineTrainStep:
             for stage_index in stage.chunks
         }
         self._update = tf.function(self._update_fn)
+        if zero is not None:
+            self._reduce_scatter = tf.function(zero.reduce_accumulated)
 
     def __call__(self, *batch):
         return self._step_fn(batch[0] if len(batch) == 1 else batch)
@@ -185,7 +192,9 @@ class PipelineTrainStep:
         gradients = [tf.zeros_like(v.value) if g is None else g
                      for v, g in zip(self.variables, gradients)]
         gradients = self._sum_tied_table(gradients)
-        if self.data_set is not None:
+        if self.zero is not None:  # this rank's rows of the averaged gradients
+            gradients = self._reduce_scatter(gradients)
+        elif self.data_set is not None:
             gradients = self._hvd.grouped_allreduce(
                 gradients, op=self._hvd.Average, process_set=self.data_set,
                 name="pipeline_data_parallel")
@@ -202,6 +211,8 @@ class PipelineTrainStep:
         return result
 
     def _update_fn(self, gradients, gradient_norm):
+        if self.zero is not None:
+            return self.zero.apply(gradients, norm=gradient_norm)
         given_norm = getattr(self.optimizer, "given_gradient_norm", None)
         with given_norm(gradient_norm) if given_norm else contextlib.nullcontext():
             self.optimizer.apply(gradients, self.variables)
@@ -234,8 +245,11 @@ class PipelineTrainStep:
         duplicate = self.stage.table if self.stage.tied and not self.stage.holds_first else None
         squares = [tf.reduce_sum(tf.square(tf.cast(g, "float32")))
                    for v, g in zip(self.variables, gradients) if v is not duplicate]
+        squares = tf.add_n(squares) if squares else tf.constant(0.0)
+        if self.zero is not None:  # of shards: the stage's squares add up over its replicas
+            squares = self.zero.sum_over_ranks(tf.reshape(squares, [1]))[0]
         local = tf.stack([
-            tf.add_n(squares) if squares else tf.constant(0.0),
+            squares,
             tf.add_n(losses) / self.schedule.microbatches if losses else tf.constant(0.0),
         ])
         total = self._hvd.allreduce(local, op=self._hvd.Sum, name="pipeline_loss_and_norm",

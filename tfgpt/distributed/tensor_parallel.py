@@ -178,7 +178,6 @@ def check_run(tensor, family, model_config, config, zero_stage=0):
         )
     unsupported = {
         "--xla": config.xla,  # Horovod collectives cannot run in an XLA cluster
-        f"--zero-stage {zero_stage}": zero_stage,
         "--recompute": config.recompute,
         "--optimizer lamb": config.optimizer == "lamb",  # per-variable norms of slices
         "--mixed-precision float16": config.mixed_precision == "float16",
@@ -186,6 +185,11 @@ def check_run(tensor, family, model_config, config, zero_stage=0):
     for flag, given in unsupported.items():
         if given:
             raise ValueError(f"--tensor-parallel {tensor} does not combine with {flag} yet")
+    if zero_stage > 1:
+        raise ValueError(
+            f"--tensor-parallel {tensor} does not combine with --zero-stage {zero_stage}: use "
+            "--zero-stage 1, which shards each slice's optimizer state over its replicas"
+        )
 
 
 def split_seed_states(model):

@@ -36,6 +36,15 @@ Every rank runs the same collectives in the same order, and every
 collective's output is used (a pruned collective would leave its peers
 waiting).
 
+Under tensor or pipeline parallelism (stage 1) the shards are cut over
+the data group (`tfgpt.distributed.layout`): the ranks that hold the
+same tensor slice, or train the same pipeline stage, one per data
+replica; N is then the data replicas, and every collective runs on the
+data group's process set. A tensor-parallel model's global norm adds
+its slices' squares over the tensor group; a pipeline stage's step
+(`tfgpt.distributed.pipeline_executor`) shards only the stage's
+variables and gives `apply` the norm over every stage.
+
 Example (under `horovodrun -np 2`):
 >>> sharding = ZeroSharding(2, model, optimizer, distribution)
 >>> sharding.shards[0].shape  # the first rows of the first variable
@@ -133,8 +142,11 @@ class ZeroSharding:
         model: keras.Model, built, with identical weights on every rank.
         optimizer: the run's optimizer, not yet built (a
             `LossScaleOptimizer` under float16); it is built on the shards.
-        distribution: `HorovodDistribution`: its `rank`, `size`,
+        distribution: `HorovodDistribution`: its `layout` (this rank's
+            data replica), `size` (the data replicas), `data_process_set`,
             `bucket_bytes` and Horovod module.
+        variables: the trainable variables to shard (a pipeline stage's),
+            or None for the model's.
 
     The step (`tfgpt.training.train_step.TrainStep`) asks it for the
     variables to differentiate (`gradient_sources`), the loss under the
@@ -143,17 +155,28 @@ class ZeroSharding:
     (`reduce_accumulated`), and applies the update with `apply`.
     """
 
-    def __init__(self, stage, model, optimizer, distribution):
+    def __init__(self, stage, model, optimizer, distribution, variables=None):
         if stage not in STAGES[1:]:
             raise ValueError(f"`stage` must be 1, 2 or 3. Received: stage={stage!r}")
         self.stage = stage
         self.model = model
         self.optimizer = optimizer
         self._hvd = distribution._hvd
-        self.rank = distribution.rank
+        layout = getattr(distribution, "layout", None)
+        # This rank's place in its data group, and the group's collectives.
+        self.rank = distribution.rank if layout is None else layout.data_index
         self.size = distribution.size
+        process_set = getattr(distribution, "data_process_set", None)
+        self._where = {} if process_set is None else {"process_set": process_set}
         self.bucket_bytes = distribution.bucket_bytes
-        self.variables = list(model.trainable_variables)
+        self.variables = list(model.trainable_variables if variables is None else variables)
+        # Tensor parallelism: which variables are slices, for the global norm.
+        self.tensor_slice = getattr(model, "tensor_slice", None)
+        if self.tensor_slice is not None:
+            from tfgpt.distributed.tensor_parallel import split_rules
+
+            rules = split_rules(model)
+            self._split = [id(variable) in rules for variable in self.variables]
         self.counts, self.offsets = [], []
         shards = []
         for variable in self.variables:
@@ -211,35 +234,55 @@ class ZeroSharding:
         return self._reduce_scatter(gradients)
 
     def _reduce_scatter(self, gradients):
+        if self.size == 1:  # a data group of one rank (T or P ranks in all): no process set
+            return list(gradients)
         shards = [None] * len(gradients)
         for bucket in gradient_buckets(gradients, self.bucket_bytes):
             reduced = self._hvd.grouped_reducescatter(
-                [gradients[index] for index in bucket], op=self._hvd.Average
+                [gradients[index] for index in bucket], op=self._hvd.Average, **self._where
             )
             for index, shard in zip(bucket, reduced):
                 shards[index] = shard
         return shards
 
     def sum_over_ranks(self, values):
-        """Sums a float32 vector over all ranks (partial norms, overflow flags)."""
-        return self._hvd.allreduce(values, op=self._hvd.Sum)
+        """Sums a float32 vector over the data group (partial norms, overflow flags)."""
+        if self.size == 1:
+            return values
+        return self._hvd.allreduce(values, op=self._hvd.Sum, **self._where)
 
     # --- the update -----------------------------------------------------------------
 
-    def global_norm(self, shard_gradients):
-        """The global norm of the whole averaged gradients, from every rank's shards."""
+    def squares(self, shard_gradients):
+        """The sum of squares of the whole averaged gradients, from every rank's shards."""
         squares = tf.add_n([tf.reduce_sum(tf.square(tf.cast(g, tf.float32)))
-                            for g in shard_gradients])
-        return tf.sqrt(self.sum_over_ranks(tf.reshape(squares, [1]))[0])
+                            for g in shard_gradients] or [tf.constant(0.0)])
+        return self.sum_over_ranks(tf.reshape(squares, [1]))[0]
 
-    def apply(self, shard_gradients, loss_scale=None):
+    def global_norm(self, shard_gradients):
+        """The global norm of the whole averaged gradients, from every rank's shards.
+
+        Of the whole model's under tensor parallelism: the slices' squares
+        summed over the tensor group, the replicated variables' once.
+        """
+        if self.tensor_slice is None:
+            return tf.sqrt(self.squares(shard_gradients))
+        squares = [tf.reduce_sum(tf.square(tf.cast(g, tf.float32))) for g in shard_gradients]
+        sliced = tf.add_n([s for s, split in zip(squares, self._split) if split] or [0.0])
+        replicated = tf.add_n([s for s, split in zip(squares, self._split) if not split] or [0.0])
+        sliced, replicated = tf.unstack(self.sum_over_ranks(tf.stack([sliced, replicated])))
+        return tf.sqrt(self.tensor_slice.sum(sliced) + replicated)
+
+    def apply(self, shard_gradients, loss_scale=None, norm=None):
         """Updates the shards (and, in stages 1 and 2, the whole variables).
 
-        Returns the global norm of the unscaled gradients. Under float16
-        loss scaling an overflow on any rank makes every rank's gradients
-        non-finite, so every rank's `LossScaleOptimizer` skips the step.
+        Returns the global norm of the unscaled gradients (`norm` when
+        given: a pipeline's, over every stage). Under float16 loss scaling
+        an overflow on any rank makes every rank's gradients non-finite,
+        so every rank's `LossScaleOptimizer` skips the step.
         """
-        norm = self.global_norm(shard_gradients)
+        if norm is None:
+            norm = self.global_norm(shard_gradients)
         if loss_scale is not None:
             # NaN everywhere when the norm (of every rank's shards) is not finite.
             poison = norm - norm
@@ -255,17 +298,24 @@ class ZeroSharding:
 
     def _gather_into_variables(self):
         values = [shard.value for shard in self.shards]
+        if self.size == 1:
+            for variable, value in zip(self.variables, values):
+                variable.assign(value)
+            return
         # Buckets cut by the whole variables' sizes, the same on every rank
         # (the shards' sizes differ when the rows do not divide evenly).
         wholes = [tf.TensorSpec(v.shape, v.dtype) for v in self.variables]
         for bucket in gradient_buckets(wholes, self.bucket_bytes):
-            gathered = self._hvd.grouped_allgather([values[index] for index in bucket])
+            gathered = self._hvd.grouped_allgather([values[index] for index in bucket],
+                                                   **self._where)
             for index, value in zip(bucket, gathered):
                 self.variables[index].assign(value)
 
     def gather_weights(self):
         """The whole value of every trainable variable, in model order (all ranks call it)."""
-        return self._hvd.grouped_allgather([shard.value for shard in self.shards])
+        if self.size == 1:
+            return [shard.value for shard in self.shards]
+        return self._hvd.grouped_allgather([shard.value for shard in self.shards], **self._where)
 
     def load_shards(self, values):
         """Assigns this rank's shard values and, in stages 1 and 2, gathers the whole weights."""
@@ -349,20 +399,20 @@ class ZeroSharding:
                 variable._value = None
 
     def _gather(self, shard_values):
-        hvd = self._hvd
+        hvd, where = self._hvd, self._where
 
         @tf.custom_gradient
         def gather(*shards):
             # Reads of the shard variables go in, so the tape (and
             # tf.recompute_grad) reaches the variables through them.
-            wholes = hvd.grouped_allgather(list(shards))
+            wholes = hvd.grouped_allgather(list(shards), **where)
 
             def gradient(*upstream):
                 upstream = [
                     tf.zeros_like(whole) if g is None else tf.convert_to_tensor(g)
                     for g, whole in zip(upstream, wholes)
                 ]
-                return hvd.grouped_reducescatter(upstream, op=hvd.Average)
+                return hvd.grouped_reducescatter(upstream, op=hvd.Average, **where)
 
             return wholes, gradient
 

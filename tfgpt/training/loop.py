@@ -137,13 +137,14 @@ def build_model_and_optimizer(config, distribution, build_model, steps):
         step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
         zero = None
         stage = getattr(distribution, "zero_stage", 0)
-        if stage:
+        if pipelined(distribution):
+            pass  # built (or sharded) on its stage's variables: tfgpt.training.pipeline_run
+        elif stage:
             from tfgpt.distributed.zero import ZeroSharding
 
             distribution.broadcast_variables(model.variables)
             zero = ZeroSharding(stage, model, optimizer, distribution)
-        elif not pipelined(distribution):
-            # (A pipeline builds it on its stage's variables: tfgpt.training.pipeline_run.)
+        else:
             optimizer.build(model.trainable_variables)
     return model, optimizer, step, zero
 
@@ -171,7 +172,10 @@ def broadcast_state(distribution, model, optimizer, step, zero):
 
 
 def state_line(model, distribution, zero):
-    """The start-up line with this rank's bytes of parameters, gradients and optimizer state."""
+    """The start-up line with this rank's bytes of parameters, gradients and optimizer state.
+
+    `model`: what this rank trains (a pipeline's `PipelineStage`).
+    """
     from tfgpt.distributed.zero import state_bytes
 
     stage = zero.stage if zero else 0
@@ -185,6 +189,9 @@ def state_line(model, distribution, zero):
     if distribution.tensor_slice is not None:
         ranks = (f"{distribution.size} data replica(s) x tensor {distribution.tensor_slice.size}, "
                  "this rank's slice")
+    elif pipelined(distribution):
+        ranks = (f"{distribution.size} data replica(s) x pipeline {distribution.layout.pipeline}, "
+                 "this rank's stage")
     line = (
         f"state per rank (ZeRO stage {stage}, {ranks}): parameters "
         f"{gib(sizes['parameters'])}, gradients {gib(sizes['gradients'])}, optimizer "
@@ -229,7 +236,7 @@ def make_checkpointer(config, distribution, model, optimizer, step, zero=None, d
         return TensorParallelCheckpointer(
             Checkpointer(config.out, distribution.is_chief, keep=config.keep_checkpoints,
                          step=step),
-            model, optimizer, distribution,
+            model, optimizer, distribution, zero,
         )
     if zero is not None:
         return sharded_checkpoint.ShardedCheckpointer(

@@ -9,7 +9,9 @@ stage's weights (and dropout state) are broadcast from the rank that
 trains them, so the chief writes the whole model, which `--resume`,
 generation and fine-tuning read like any other; each rank writes its own
 optimizer state beside it, in `OUT/pipeline/stage-S` (the first
-data-parallel replica of each stage writes it).
+data-parallel replica of each stage writes it; under `--zero-stage 1`
+every rank writes its shards and their optimizer state, in
+`OUT/pipeline/stage-S/replica-D-of-N`, and resumes on the same layout).
 """
 
 import os
@@ -51,7 +53,11 @@ def check_pipeline_run(config, options, family, model_config):
 
 
 def build_pipeline(model, optimizer, distribution, sequence_length):
-    """`(stage, train_step)` of this rank; builds `optimizer` on the stage's variables."""
+    """`(stage, train_step)` of this rank; builds `optimizer` on the stage's variables.
+
+    With `--zero-stage 1` the optimizer is built on this rank's shards of
+    them, cut over the stage's data replicas (`train_step.zero`).
+    """
     from tfgpt.distributed.pipeline_executor import PipelineTrainStep
     from tfgpt.distributed.pipeline_schedule import PipelineSchedule
     from tfgpt.distributed.pipeline_stage import PipelineStage
@@ -61,9 +67,16 @@ def build_pipeline(model, optimizer, distribution, sequence_length):
                                 options.microbatches, options.virtual_stages)
     stage = PipelineStage(model, schedule, distribution.layout.stage,
                           partition=options.pipeline_partition, sequence_length=sequence_length)
-    optimizer.build(stage.trainable_variables)
+    zero = None
+    if getattr(distribution, "zero_stage", 0):
+        from tfgpt.distributed.zero import ZeroSharding
+
+        zero = ZeroSharding(distribution.zero_stage, model, optimizer, distribution,
+                            variables=stage.trainable_variables)
+    else:
+        optimizer.build(stage.trainable_variables)
     return stage, PipelineTrainStep(stage, optimizer, distribution.pipeline_process_set,
-                                    distribution.data_process_set)
+                                    distribution.data_process_set, zero=zero)
 
 
 def describe(stage):
@@ -89,22 +102,29 @@ class PipelineCheckpointer:
         stage: this rank's `PipelineStage`.
         optimizer, step, rng: the optimizer, the step variable and the
             dropout random states (`tfgpt.training.loop`).
+        zero: the stage's `ZeroSharding`, or None.
 
     Offers what `run_loop` and the trainer use of a `Checkpointer`:
     `latest`, `save`, `restore_latest`, `write_run_files`.
     """
 
-    def __init__(self, config, distribution, stage, optimizer, step, rng):
+    def __init__(self, config, distribution, stage, optimizer, step, rng, zero=None):
         self.distribution = distribution
         self.stage = stage
         self.whole = Checkpointer(config.out, distribution.is_chief, keep=config.keep_checkpoints,
                                   model=stage.model, step=step, rng=rng)
         # The first replica of each stage writes its state; every replica reads it.
-        self.own = Checkpointer(
-            os.path.join(config.out, "pipeline", f"stage-{distribution.layout.stage}"),
-            distribution.layout.data_index == 0, keep=config.keep_checkpoints,
-            optimizer=optimizer,
-        )
+        layout = distribution.layout
+        own = os.path.join(config.out, "pipeline", f"stage-{layout.stage}")
+        if zero is None:
+            self.own = Checkpointer(own, layout.data_index == 0, keep=config.keep_checkpoints,
+                                    optimizer=optimizer)
+        else:  # each replica's own shards
+            self.own = Checkpointer(
+                os.path.join(own, f"replica-{layout.data_index}-of-{layout.data}"), True,
+                keep=config.keep_checkpoints, optimizer=optimizer,
+                shards=[shard.value for shard in zero.shards],
+            )
 
     @property
     def latest(self):
@@ -128,7 +148,8 @@ class PipelineCheckpointer:
         if not os.path.exists(own + ".index"):
             raise ValueError(
                 f"{path} has no optimizer state for pipeline stage {self.distribution.layout.stage}"
-                f" ({own}): resume with the --pipeline-parallel and schedule it was saved with"
+                f" ({own}): resume with the --pipeline-parallel, schedule and --zero-stage it was "
+                "saved with"
             )
         self.own.checkpoint.restore(own).assert_existing_objects_matched()
         return path

@@ -6,6 +6,10 @@ directory:
 - `tensor/ckpt-S/slice-I-of-T.*`, one per slice, written by the ranks of
   the first data replica: a `tf.train.Checkpoint` of the slice's model,
   optimizer (its moments are the slice's) and dropout states;
+- under `--zero-stage 1`, the slices hold no optimizer: every rank
+  writes its shards and their optimizer state in
+  `tensor/ckpt-S/slice-I-of-T-replica-D-of-N.*`, read back on the same
+  layout only (`merge` and `split` take runs without ZeRO);
 - `ckpt-S.*`, the chief's, with the step, through the same
   `CheckpointManager` as every run: its index names `ckpt-S` only once
   every slice is on disk, so a run killed mid-save resumes from the
@@ -61,9 +65,15 @@ def slice_count(directory, step):
     root = slices_directory(directory, step)
     if not os.path.isdir(root):
         return None
-    sizes = {int(name.split("-of-")[1].split(".")[0])
+    sizes = {int(name.split("-of-")[1].split(".")[0].split("-")[0])  # (a ZeRO rank's: -replica-)
              for name in os.listdir(root) if name.startswith("slice-")}
     return sizes.pop() if len(sizes) == 1 else None
+
+
+def zero_written(directory, step):
+    """Whether the tensor-parallel checkpoint at `step` holds ZeRO shards (and its
+    slices no optimizer)."""
+    return any("-replica-" in name for name in os.listdir(slices_directory(directory, step)))
 
 
 def split_elsewhere_error(path, found, wanted):
@@ -91,14 +101,26 @@ class TensorParallelCheckpointer:
         checkpointer: the chief's `Checkpointer` of the step.
         model, optimizer: this rank's slice of them.
         distribution: `HorovodDistribution` with a `tensor_slice`.
+        zero: the run's `ZeroSharding` (`--zero-stage 1`), or None.
     """
 
-    def __init__(self, checkpointer, model, optimizer, distribution):
+    def __init__(self, checkpointer, model, optimizer, distribution, zero=None):
         self.checkpointer = checkpointer
         self.directory = checkpointer.directory
         self.distribution = distribution
         self.tensor_slice = distribution.tensor_slice
-        self.slice_checkpoint = tf.train.Checkpoint(**_trackables(model, optimizer))
+        trackables = _trackables(model, optimizer)
+        self.shard_checkpoint = None
+        if zero is not None:
+            del trackables["optimizer"]  # its moments are this rank's shards
+            self.shard_checkpoint = tf.train.Checkpoint(
+                optimizer=optimizer, shards=[shard.value for shard in zero.shards])
+        self.slice_checkpoint = tf.train.Checkpoint(**trackables)
+
+    def _shard_prefix(self, step, size):
+        layout = self.distribution.layout
+        return (slice_prefix(self.directory, step, self.tensor_slice.index, size)
+                + f"-replica-{layout.data_index}-of-{layout.data}")
 
     @property
     def latest(self):
@@ -113,6 +135,8 @@ class TensorParallelCheckpointer:
             self.slice_checkpoint.write(
                 slice_prefix(self.directory, step, self.tensor_slice.index, self.tensor_slice.size)
             )
+        if self.shard_checkpoint is not None:
+            self.shard_checkpoint.write(self._shard_prefix(step, self.tensor_slice.size))
         self.distribution.allreduce_mean(tf.constant(0.0))  # barrier: every slice on disk
         path = self.checkpointer.save(step)
         if path:
@@ -133,8 +157,19 @@ class TensorParallelCheckpointer:
         if found != self.tensor_slice.size:
             raise split_elsewhere_error(path, found, self.tensor_slice.size)
         self.checkpointer.checkpoint.restore(path).assert_existing_objects_matched()
+        if self.shard_checkpoint is None and zero_written(self.directory, step):
+            raise ValueError(f"{path} was written with --zero-stage 1: its optimizer moments "
+                             "are shards; resume it with --zero-stage 1 on the same layout")
         prefix = slice_prefix(self.directory, step, self.tensor_slice.index, found)
         self.slice_checkpoint.read(prefix).assert_existing_objects_matched()
+        if self.shard_checkpoint is not None:
+            shards = self._shard_prefix(step, found)
+            if not os.path.exists(shards + ".index"):
+                raise ValueError(
+                    f"{path} has no ZeRO shards for this rank ({shards}): resume with the "
+                    "--zero-stage, --tensor-parallel and number of workers it was saved with"
+                )
+            self.shard_checkpoint.read(shards).assert_existing_objects_matched()
         return path
 
 
@@ -182,15 +217,19 @@ def _pairs(model, optimizer):
     return pairs
 
 
-def _slices(directory, step, size, family, model_config, train_config):
-    """The `size` slice models and optimizers of `directory`'s checkpoint at `step`."""
+def _slices(directory, step, size, family, model_config, train_config, optimizer=True):
+    """The `size` slice models and optimizers of `directory`'s checkpoint at `step`
+    (without `optimizer`, the optimizers are not read)."""
     built = []
     for index in range(size):
-        model, optimizer = _build(family, model_config, train_config,
-                                  TensorSlice(None, None, size, index))
-        tf.train.Checkpoint(**_trackables(model, optimizer)).read(
+        model, slice_optimizer = _build(family, model_config, train_config,
+                                        TensorSlice(None, None, size, index))
+        trackables = _trackables(model, slice_optimizer)
+        if not optimizer:
+            del trackables["optimizer"]
+        tf.train.Checkpoint(**trackables).read(
             slice_prefix(directory, step, index, size)).assert_existing_objects_matched()
-        built.append((model, optimizer))
+        built.append((model, slice_optimizer))
     return built
 
 
@@ -213,7 +252,7 @@ def restore_whole(directory, path, model):
     _, family, model_config, train_config = _run_configs(directory)
     step = step_of(path)
     size = slice_count(directory, step)
-    slices = _slices(directory, step, size, family, model_config, train_config)
+    slices = _slices(directory, step, size, family, model_config, train_config, optimizer=False)
     rules = split_rules(slices[0][0])
     for index, variable in enumerate(model.trainable_variables):
         parts = [m.trainable_variables[index].numpy() for m, _ in slices]
@@ -243,6 +282,9 @@ def merge(directory, out):
     size = slice_count(directory, step)
     if size is None:
         raise ValueError(f"{path} is an ordinary checkpoint already: nothing to merge")
+    if zero_written(directory, step):
+        raise ValueError(f"{path} was written with --zero-stage 1: its optimizer moments are "
+                         "shards, which merge does not join; resume it on the same layout")
     # Slice 0's dropout states are the whole model's (the others' split
     # dropouts are offset from them).
     slices = _slices(directory, step, size, family, model_config, train_config)

@@ -220,6 +220,8 @@ def train(train_config, model_overrides, distribution):
         stage, pipeline_step = pipeline_run.build_pipeline(model, optimizer, distribution,
                                                            sequence_length)
         report.info(pipeline_run.describe(stage))
+        if pipeline_step.zero is not None:
+            report.info(loop.state_line(stage, distribution, pipeline_step.zero))
 
     def build_train_step():
         if pipelined:
@@ -285,7 +287,8 @@ def train(train_config, model_overrides, distribution):
     # every worker saves its own data position beside them.
     if pipelined:
         checkpointer = pipeline_run.PipelineCheckpointer(
-            train_config, distribution, stage, optimizer, step, loop.seed_generator_states(model))
+            train_config, distribution, stage, optimizer, step, loop.seed_generator_states(model),
+            zero=pipeline_step.zero)
     else:
         checkpointer = loop.make_checkpointer(train_config, distribution, model, optimizer, step,
                                               zero)

@@ -1,0 +1,179 @@
+"""ZeRO stage 1 with tensor and pipeline parallelism: each slice's or stage's
+optimizer state sharded over its data group (`horovodrun -np 4`, 2 data replicas).
+
+The equivalence tests run `tests/hvd_scripts` (float32, 6 steps, dropout
+0) against one process on the same global batch; the `train_hvd.py` tests
+check the start-up line and that a run killed after a save resumes with
+the same losses, bit for bit, as one that was not.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests.launch import REPO, horovodrun, run_and_load, saved_weights, train_losses
+from tests.test_tensor_parallel import _assert_slices_join_to
+from tfgpt.config.distribution import HorovodOptions
+from tfgpt.distributed.tensor_parallel import check_run
+
+HVD_SCRIPTS = REPO / "tests" / "hvd_scripts"
+
+
+def _shard_elements(result, data_index, replicas=2):
+    """Elements of both AdamW moments of one rank's shards: its rows of each trained variable."""
+    total = 0
+    for shape in result["shapes"]:
+        shape = [size for size in shape if size >= 0]
+        base, extra = divmod(shape[0], replicas)
+        rows = base + (1 if data_index < extra else 0)  # the first rows % replicas get one more
+        total += 2 * rows * int(np.prod(shape[1:]))
+    return total
+
+
+def _assert_sharded(results, data_index_of, replicas=2):
+    for rank, result in enumerate(results):
+        whole = 2 * sum(int(np.prod([s for s in shape if s >= 0])) for shape in result["shapes"])
+        shard = _shard_elements(result, data_index_of(rank), replicas)
+        assert result["slot_elements"] == shard, rank
+        # About 1 / replicas of the slice's or stage's moments.
+        assert result["slot_elements"] < (1 / replicas + 0.1) * whole, rank
+
+
+# ---- Equivalence with one process ----------------------------------------------------
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_tensor_parallel_with_zero_1_matches_one_process(tmp_path):
+    script = HVD_SCRIPTS / "tensor_parallel_train.py"
+    flags = ["--clip", "0.5"]  # the clipping needs the global norm over slices and shards
+    oracle = run_and_load(script, tmp_path, "one", 0, *flags)[0]
+    results = run_and_load(script, tmp_path, "tp2-dp2", 4, "--tensor", "2", "--zero-stage", "1",
+                           *flags)
+    for result in results:
+        np.testing.assert_allclose(result["losses"], oracle["losses"], rtol=0, atol=1e-5)
+        np.testing.assert_allclose(result["norms"], oracle["norms"], rtol=0, atol=1e-5)
+    assert oracle["norms"].max() > 0.5  # clipping acted
+    _assert_slices_join_to(results, 2, oracle, atol=1e-5)
+    # Ranks 0, 1 are data replica 0's slices, ranks 2, 3 replica 1's.
+    _assert_sharded(results, lambda rank: rank // 2)
+    np.testing.assert_array_equal(results[0]["shapes"], results[2]["shapes"])
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_pipeline_with_zero_1_matches_one_process(tmp_path):
+    script = HVD_SCRIPTS / "pipeline_check.py"
+    flags = ["--clip", "0.3", "--rows", "16"]
+    oracle = run_and_load(script, tmp_path, "one", 0, *flags)[0]
+    assert oracle["norms"].max() > 0.3  # clipping acted: the norm must be over every stage
+    results = run_and_load(script, tmp_path, "pp2-dp2", 4, "--stages", "2", "--schedule", "1f1b",
+                           "--microbatches", "4", "--zero-stage", "1", *flags)
+    for rank, result in enumerate(results):
+        for index, (got, expected) in enumerate(zip(saved_weights(result),
+                                                    saved_weights(oracle))):
+            np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5,
+                                       err_msg=f"rank {rank}, weight {index}")
+        np.testing.assert_allclose(result["losses"], oracle["losses"], rtol=0, atol=1e-5)
+        np.testing.assert_allclose(result["norms"], oracle["norms"], rtol=0, atol=1e-5)
+    # Ranks 0, 1 are pipeline 0's stages, ranks 2, 3 pipeline 1's.
+    _assert_sharded(results, lambda rank: rank // 2)
+    np.testing.assert_array_equal(results[1]["shapes"], results[3]["shapes"])
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_data_group_of_one_rank_keeps_whole_moments_and_matches_one_process(tmp_path):
+    # -np 2: TP2 or PP2 alone, one data replica: nothing to shard over (no
+    # process set for a group of one: no collective may run on the global set).
+    for script, flags in [("tensor_parallel_train.py", ["--tensor", "2"]),
+                          ("pipeline_check.py", ["--stages", "2", "--microbatches", "4"])]:
+        oracle = run_and_load(HVD_SCRIPTS / script, tmp_path, "one", 0)[0]
+        results = run_and_load(HVD_SCRIPTS / script, tmp_path, "alone", 2, "--zero-stage", "1",
+                               *flags)
+        for result in results:
+            np.testing.assert_allclose(result["losses"], oracle["losses"], rtol=0, atol=1e-5)
+            np.testing.assert_allclose(result["norms"], oracle["norms"], rtol=0, atol=1e-5)
+        _assert_sharded(results, lambda rank: 0, replicas=1)
+
+
+# ---- What stays refused ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_stages_above_1_are_refused_with_tensor_and_pipeline_parallelism(stage):
+    from tfgpt.config import GPTConfig
+    from tfgpt.config.training import TrainConfig
+
+    model_config = GPTConfig(vocabulary_size=300, num_heads=2, hidden_dim=32, intermediate_dim=48)
+    with pytest.raises(ValueError, match=f"--tensor-parallel 2 does not combine with "
+                                         f"--zero-stage {stage}: use --zero-stage 1"):
+        check_run(2, "gpt", model_config, TrainConfig(data="d"), stage)
+    check_run(2, "gpt", model_config, TrainConfig(data="d"), 1)
+    with pytest.raises(ValueError, match=f"--zero-stage {stage} does not combine with "
+                                         "--pipeline-parallel: use --zero-stage 1"):
+        HorovodOptions(pipeline_parallel=2, zero_stage=stage)
+    HorovodOptions(pipeline_parallel=2, zero_stage=1)
+
+
+# ---- train_hvd.py: the start-up line, save and resume ----------------------------------
+
+TINY_MODEL = [
+    "--num-layers", "2", "--num-heads", "2", "--hidden-dim", "32",
+    "--intermediate-dim", "48", "--max-sequence-length", "16",
+]
+
+
+def _command(data, out, *layout):
+    return [REPO / "train_hvd.py", "--data", data, "--out", out, "--steps", "4",
+            "--save-every", "2", "--log-every", "1", "--batch-size", "4", "--dropout", "0.0",
+            "--eval-batches", "1", "--warmup-steps", "2", "--learning-rate", "3e-3",
+            "--zero-stage", "1", *TINY_MODEL, *layout]
+
+
+def _tensors(prefix):
+    checkpoint = tf.train.load_checkpoint(str(prefix))
+    return {name: checkpoint.get_tensor(name) for name in checkpoint.get_variable_to_shape_map()
+            if not name.startswith("_CHECKPOINTABLE_OBJECT_GRAPH")}
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("layout, ranks_line, shards", [
+    (["--tensor-parallel", "2"], "2 data replica(s) x tensor 2, this rank's slice",
+     "tensor/ckpt-4/slice-001-of-002-replica-1-of-2"),
+    (["--pipeline-parallel", "2", "--microbatches", "2"],
+     "2 data replica(s) x pipeline 2, this rank's stage", "pipeline/stage-1/replica-1-of-2/ckpt-4"),
+], ids=["tensor", "pipeline"])
+def test_train_hvd_reports_the_shards_and_resumes_bitwise(tiny_data, tmp_path, layout,
+                                                          ranks_line, shards):
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    code, output = horovodrun(4, *_command(tiny_data, straight, *layout))
+    assert code == 0, output
+    assert f"state per rank (ZeRO stage 1, {ranks_line}): parameters " in output
+    assert "optimizer " in output.split("state per rank (ZeRO stage 1")[1].splitlines()[0]
+    code, output = horovodrun(4, *_command(tiny_data, killed, *layout),
+                              env={"TFGPT_FAULT_KILL_AFTER_SAVE": "2"})
+    assert code != 0 and not (killed / "ckpt-4.index").exists(), output
+    code, output = horovodrun(4, *_command(tiny_data, killed, *layout, "--resume"))
+    assert code == 0, output
+    assert "resumed from" in output
+    # Each rank's shards of the optimizer moments, saved at the end: the same bits.
+    first, second = _tensors(straight / shards), _tensors(killed / shards)
+    assert first.keys() == second.keys() and any("optimizer" in key for key in first)
+    for key in first:
+        np.testing.assert_array_equal(first[key], second[key], err_msg=key)
+    expected, resumed = train_losses(straight), train_losses(killed)
+    for at_step in (3, 4):
+        assert resumed[at_step] == expected[at_step], at_step
+    # The weights read whole, as any run's (the slices joined, or the chief's model).
+    from tfgpt.loading import load_model
+
+    model, _ = load_model(str(straight))
+    assert len(model.generate([[5, 6, 7]], max_new_tokens=2)[0]) == 2
+    if "--tensor-parallel" in layout:
+        from tfgpt.training import tensor_checkpoint
+
+        with pytest.raises(ValueError, match="written with --zero-stage 1: its optimizer moments "
+                                             "are shards, which merge does not join"):
+            tensor_checkpoint.merge(str(straight), str(tmp_path / "merged"))
