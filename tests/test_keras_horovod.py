@@ -15,7 +15,6 @@ import tensorflow as tf
 
 from pipelines import reader
 from tests.launch import REPO, horovodrun
-from tests.synthetic import pattern_corpus
 from tfgpt import GPT
 from tfgpt.distributed import keras_horovod
 from tfgpt.distributed.keras_horovod import (

@@ -300,7 +300,7 @@ def test_a_slow_rank_computes_longer_and_the_other_waits_for_the_average(tiny_da
     # Rank 1's compute share, the mean of the windows after the first.
     compute = np.mean([r["workers"][1]["compute"] for r in train[1:]])
     assert f"| {compute:.1%} |" in rows["1"]
-    assert f"step 6: straggler at step 6: rank 1 on " in text
+    assert "step 6: straggler at step 6: rank 1 on " in text
     assert (run_dir / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

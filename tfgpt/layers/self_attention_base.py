@@ -1,6 +1,5 @@
 """What the causal and the bidirectional self-attention layers share."""
 
-import keras
 import tensorflow as tf
 
 from tfgpt.config.checks import require_divisible
