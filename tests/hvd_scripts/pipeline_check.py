@@ -8,15 +8,19 @@ pipeline) in `--microbatches` micro-batches; with
 `--global` one process trains the whole model on the same batches
 through `TrainStep`. Writes OUT/<tag>-rank-R.npz: the final whole weights
 (each stage's broadcast from the rank that trained it), the losses and
-the gradient norms.
+the gradient norms. With `--tensor T` the stages' blocks are split over
+T ranks each as well (`HorovodDistribution`'s layout, data x pipeline x
+tensor): the weights are this rank's slices, with their split rules
+(`rule_I`, absent for a replicated variable).
 
 Usage: pipeline_check.py OUT TAG [--global] [--schedule gpipe|1f1b|interleaved]
 [--microbatches M] [--stages P] [--virtual-stages V] [--partition uniform|balanced]
 [--clip C] [--dropout R] [--untied] [--layers L] [--die-at-step K]
-[--precision off|bfloat16]
+[--precision off|bfloat16] [--tensor T] [--vocabulary V]
 """
 
 import argparse
+import contextlib
 import os
 
 import keras
@@ -25,6 +29,7 @@ import tensorflow as tf
 
 from tfgpt import GPT
 from tfgpt.config.training import TrainConfig
+from tfgpt.distributed.tensor_parallel import split_rules
 from tfgpt.training.loop import POLICIES
 from tfgpt.training.optimizers import make_optimizer
 
@@ -34,9 +39,9 @@ ROWS = 12
 LENGTH = 7
 
 
-def batches():
+def batches(vocabulary):
     rng = np.random.default_rng(1000)
-    return [tuple(rng.integers(0, VOCABULARY, (ROWS, LENGTH)).astype("int32") for _ in range(2))
+    return [tuple(rng.integers(0, vocabulary, (ROWS, LENGTH)).astype("int32") for _ in range(2))
             for _ in range(STEPS)]
 
 
@@ -56,6 +61,8 @@ def main():
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--die-at-step", type=int, default=0)
     parser.add_argument("--precision", default="off")
+    parser.add_argument("--tensor", type=int, default=1)
+    parser.add_argument("--vocabulary", type=int, default=VOCABULARY)
     args = parser.parse_args()
 
     if not args.global_batch:
@@ -66,7 +73,7 @@ def main():
         distribution = HorovodDistribution.create(HorovodOptions(
             pipeline_parallel=args.stages, microbatches=args.microbatches,
             pipeline_schedule=args.schedule, virtual_stages=args.virtual_stages,
-            pipeline_partition=args.partition,
+            pipeline_partition=args.partition, tensor_parallel=args.tensor,
         ))
     config = TrainConfig(
         data=args.out, steps=STEPS, learning_rate=0.01, warmup_steps=2, weight_decay=0.1,
@@ -74,12 +81,13 @@ def main():
     )
     keras.utils.set_random_seed(7)
     keras.config.set_dtype_policy(POLICIES[args.precision])
-    model = GPT(vocabulary_size=VOCABULARY, num_layers=args.layers, num_heads=2, hidden_dim=8,
-                intermediate_dim=12, max_sequence_length=LENGTH, dropout=args.dropout,
-                tie_embeddings=not args.untied)
+    with contextlib.nullcontext() if args.global_batch else distribution.scope():
+        model = GPT(vocabulary_size=args.vocabulary, num_layers=args.layers, num_heads=2,
+                    hidden_dim=8, intermediate_dim=12, max_sequence_length=LENGTH,
+                    dropout=args.dropout, tie_embeddings=not args.untied)
     optimizer = make_optimizer(config, 1, steps=STEPS)
     rank = 0
-    data = batches()
+    data = batches(args.vocabulary)
     if args.global_batch:
         from tfgpt.distributed.local import LocalDistribution
         from tfgpt.training.train_step import TrainStep
@@ -119,9 +127,12 @@ def main():
     if not args.global_batch:
         stage.broadcast_from_owners(distribution.broadcast_from_stage)
         distribution.allreduce_mean(tf.constant(0.0))  # no rank leaves while others broadcast
+    rules = split_rules(model)
     np.savez(
         f"{args.out}/{args.tag}-rank-{rank}.npz", losses=np.array(losses), norms=np.array(norms),
         **{f"weight_{i}": v.numpy() for i, v in enumerate(variables)},
+        **{f"rule_{i}": np.array(rules[id(v)]) for i, v in enumerate(variables)
+           if id(v) in rules},
     )
 
 

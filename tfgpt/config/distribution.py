@@ -159,12 +159,6 @@ class HorovodOptions:
                 f"--elastic cannot re-cut --pipeline-parallel {self.pipeline_parallel} stages when "
                 "workers come and go: use --pipeline-parallel 1 with --elastic"
             )
-        if self.tensor_parallel > 1 and self.pipeline_parallel > 1:
-            raise ValueError(
-                "--tensor-parallel and --pipeline-parallel do not combine yet: choose one. "
-                f"Received: tensor_parallel={self.tensor_parallel}, "
-                f"pipeline_parallel={self.pipeline_parallel}"
-            )
 
 
 @dataclasses.dataclass

@@ -1,0 +1,62 @@
+"""Tensor and pipeline parallelism in one run (data x pipeline x tensor ranks).
+
+Each pipeline stage's blocks hold this rank's tensor slice; the stages of
+one tensor index form a pipeline. Checked against one process on the same
+global batch (`tests/hvd_scripts/pipeline_check.py --tensor`), and end to
+end through `train_hvd.py`: the start-up lines, checkpoints, resume.
+"""
+
+import numpy as np
+import pytest
+
+from tests.launch import REPO, run_and_load, saved_weights
+from tfgpt.config.distribution import HorovodOptions
+
+SCRIPT = REPO / "tests" / "hvd_scripts" / "pipeline_check.py"
+# The tensor slices split the vocabulary: an even one.
+VOCABULARY = ["--vocabulary", "38"]
+
+
+def test_tensor_and_pipeline_parallelism_combine():
+    options = HorovodOptions(tensor_parallel=2, pipeline_parallel=2, microbatches=2)
+    assert (options.tensor_parallel, options.pipeline_parallel) == (2, 2)
+
+
+def _assert_slices_join_to_the_oracle(results, oracle, tensor, what):
+    """Every rank holds the whole model's slice of its tensor index; each
+    tensor group's slices join into the oracle's weights."""
+    from tfgpt.distributed.tensor_parallel import join_slices
+
+    expected = saved_weights(oracle)
+    for first in range(0, len(results), tensor):
+        group = results[first:first + tensor]
+        for index, weight in enumerate(expected):
+            name = f"weight_{index}"
+            if f"rule_{index}" in group[0]:
+                whole = join_slices([r[name] for r in group], tuple(group[0][f"rule_{index}"]))
+            else:
+                whole = group[0][name]
+            np.testing.assert_allclose(whole, weight, rtol=0, atol=1e-5,
+                                       err_msg=f"{what}, ranks {first}-{first + tensor - 1}, "
+                                               f"weight {index}")
+    for result in results:
+        np.testing.assert_allclose(result["losses"], oracle["losses"], rtol=0, atol=1e-5)
+        np.testing.assert_allclose(result["norms"], oracle["norms"], rtol=1e-5)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_two_stages_of_two_slices_match_one_process(tmp_path):
+    # -np 4: stage 0 on ranks 0-1, stage 1 on ranks 2-3, each split in 2
+    # slices; clipping acts, so the norm must count every stage and slice.
+    flags = ["--clip", "0.3", *VOCABULARY]
+    oracle = run_and_load(SCRIPT, tmp_path, "global", 0, *flags)[0]
+    assert oracle["norms"][0] > 0.3
+    assert not np.allclose(oracle["losses"][0], oracle["losses"][-1])  # it trained
+    for schedule in ("1f1b", "gpipe"):
+        results = run_and_load(SCRIPT, tmp_path, schedule, 4, "--tensor", "2", "--stages", "2",
+                               "--schedule", schedule, "--microbatches", "4", *flags)
+        # Split per block: the heads' projections in and out (3 variables), the
+        # MLP's (3); and the token embedding.
+        assert len([key for key in results[0] if key.startswith("rule_")]) == 4 * 6 + 1
+        _assert_slices_join_to_the_oracle(results, oracle, 2, schedule)
