@@ -84,6 +84,15 @@ def _trackables(model, optimizer):
     return dict(model=model, optimizer=optimizer, rng=seed_generator_states(model))
 
 
+def remove_unkept_slices(checkpointer):
+    """Deletes the slices of the steps the chief's `checkpointer` no longer keeps."""
+    kept = {step_of(kept_path) for kept_path in checkpointer.manager.checkpoints}
+    root = os.path.join(checkpointer.directory, SLICES_DIRECTORY)
+    for name in os.listdir(root):
+        if name.startswith("ckpt-") and int(name.split("-")[1]) not in kept:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
 class TensorParallelCheckpointer:
     """Saves and restores a tensor-parallel run: slices first, the chief's index last.
 
@@ -116,11 +125,7 @@ class TensorParallelCheckpointer:
         self.distribution.allreduce_mean(tf.constant(0.0))  # barrier: every slice on disk
         path = self.checkpointer.save(step)
         if path:
-            kept = {step_of(kept_path) for kept_path in self.checkpointer.manager.checkpoints}
-            root = os.path.join(self.directory, SLICES_DIRECTORY)
-            for name in os.listdir(root):
-                if name.startswith("ckpt-") and int(name.split("-")[1]) not in kept:
-                    shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            remove_unkept_slices(self.checkpointer)
         return path
 
     def restore_latest(self):
@@ -243,6 +248,13 @@ def merge(directory, out):
     size = slice_count(directory, step)
     if size is None:
         raise ValueError(f"{path} is an ordinary checkpoint already: nothing to merge")
+    if record["train"].get("pipeline_parallel", 1) > 1:
+        # Into a pipeline run's checkpoint of the same stages (its optimizer is per stage).
+        from tfgpt.training import tensor_pipeline_checkpoint
+
+        _copy_run_files(directory, out, dict(record, train=dict(record["train"], tensor_parallel=1)))
+        return tensor_pipeline_checkpoint.merge(directory, out, record, family, model_config,
+                                                train_config)
     # Slice 0's dropout states are the whole model's (the others' split
     # dropouts are offset from them).
     slices = _slices(directory, step, size, family, model_config, train_config)

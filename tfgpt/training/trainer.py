@@ -283,7 +283,12 @@ def train(train_config, model_overrides, distribution):
 
     # Checkpoints: the chief saves model, optimizer, step and dropout state;
     # every worker saves its own data position beside them.
-    if pipelined:
+    if pipelined and tensor_slice is not None:
+        from tfgpt.training.tensor_pipeline_checkpoint import TensorPipelineCheckpointer
+
+        checkpointer = TensorPipelineCheckpointer(
+            train_config, distribution, stage, optimizer, step, loop.seed_generator_states(model))
+    elif pipelined:
         checkpointer = pipeline_run.PipelineCheckpointer(
             train_config, distribution, stage, optimizer, step, loop.seed_generator_states(model))
     else:
