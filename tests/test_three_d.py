@@ -9,7 +9,9 @@ end through `train_hvd.py`: the start-up lines, checkpoints, resume.
 import numpy as np
 import pytest
 
-from tests.launch import REPO, run_and_load, saved_weights
+from tests.launch import (
+    REPO, assert_same_train_losses, horovodrun, run_and_load, saved_weights, train_losses,
+)
 from tfgpt.config.distribution import HorovodOptions
 
 SCRIPT = REPO / "tests" / "hvd_scripts" / "pipeline_check.py"
@@ -60,3 +62,61 @@ def test_two_stages_of_two_slices_match_one_process(tmp_path):
         # MLP's (3); and the token embedding.
         assert len([key for key in results[0] if key.startswith("rule_")]) == 4 * 6 + 1
         _assert_slices_join_to_the_oracle(results, oracle, 2, schedule)
+
+
+# ---- train_hvd.py end to end -------------------------------------------------------
+
+TINY_MODEL = [
+    "--num-layers", "3", "--num-heads", "2", "--hidden-dim", "32",
+    "--intermediate-dim", "48", "--max-sequence-length", "16", "--batch-size", "4",
+    "--pipeline-parallel", "2", "--microbatches", "2",
+]
+THREE_D = ["--tensor-parallel", "2"]
+
+
+def _train_hvd(workers, data, out, *flags):
+    return horovodrun(workers, REPO / "train_hvd.py", "--data", data, "--out", out,
+                      "--log-every", "1", "--eval-batches", "2", "--warmup-steps", "2",
+                      *TINY_MODEL, *flags)
+
+
+@pytest.mark.distributed
+def test_ranks_that_are_not_data_x_pipeline_x_tensor_is_one_error_line(tiny_data, tmp_path):
+    code, output = _train_hvd(2, tiny_data, tmp_path / "run", "--steps", "1", *THREE_D)
+    assert code != 0
+    message = "size=2, tensor_parallel=2, pipeline_parallel=2"
+    assert [line for line in output.splitlines() if "error:" in line and message in line], output
+    assert "model: " not in output, output  # before the model is built
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_three_d_run_names_its_layout_resumes_and_merges_into_a_pipeline_run(
+        tiny_data, tmp_path):
+    from tfgpt.training.tensor_checkpoint import main as tensor_checkpoint
+
+    # The oracle: the same batches through a pipeline of whole blocks.
+    whole, cut, merged = tmp_path / "whole", tmp_path / "cut", tmp_path / "merged"
+    code, output = _train_hvd(2, tiny_data, whole, "--steps", "4")
+    assert code == 0, output
+    code, output = _train_hvd(4, tiny_data, cut, "--steps", "2", *THREE_D)
+    assert code == 0, output
+    # Which rank holds which blocks and which slice, and its bytes.
+    for rank, (stage, blocks) in enumerate([(0, "0-1"), (0, "0-1"), (1, "2-2"), (1, "2-2")]):
+        assert (f"rank {rank}: stage {stage} blocks {blocks}, tensor slice {rank % 2 + 1}/2, "
+                "parameters ") in output, output
+    assert "layout: 4 rank(s) = data 1 x pipeline 2 x tensor 2" in output
+    tensor_checkpoint(["merge", str(cut), str(merged)])  # at step 2
+    code, output = _train_hvd(4, tiny_data, cut, "--steps", "4", "--resume", *THREE_D)
+    assert code == 0, output
+    assert "resumed from" in output
+    # The merged checkpoint goes on as a pipeline run of whole blocks.
+    code, output = _train_hvd(2, tiny_data, merged, "--steps", "4", "--resume")
+    assert code == 0, output
+    assert "resumed from" in output
+    losses = assert_same_train_losses(whole, [cut], 4, 1e-5)
+    assert losses[4] < losses[1]
+    resumed = train_losses(merged)
+    assert sorted(resumed) == [3, 4]
+    for step in resumed:
+        assert resumed[step] == pytest.approx(losses[step], abs=1e-5), step

@@ -176,7 +176,7 @@ def merge(directory, out, record, family, model_config, train_config):
             part_optimizer = _stage_optimizer(train_config, stage_of(part, rank).trainable_variables)
             tf.train.Checkpoint(optimizer=part_optimizer).read(os.path.join(
                 optimizer_directory(directory, rank, index, size), f"ckpt-{step}")
-            ).assert_existing_objects_matched()
+            ).assert_existing_objects_matched().expect_partial()  # the manager's save counter
             parts.append(part_optimizer)
         part_variables = stage_of(slices[0], rank).trainable_variables
         for name, moments in slot_variables(optimizer).items():

@@ -219,7 +219,7 @@ def train(train_config, model_overrides, distribution):
         # Horovod: each rank trains its stage; micro-batches flow through the pipeline.
         stage, pipeline_step = pipeline_run.build_pipeline(model, optimizer, distribution,
                                                            sequence_length)
-        report.info(pipeline_run.describe(stage))
+        report.info(pipeline_run.describe(stage, distribution.layout))
 
     def build_train_step():
         if pipelined:
