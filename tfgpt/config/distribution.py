@@ -78,7 +78,9 @@ class HorovodOptions:
             only); the other factor of the ranks is data parallelism. Must
             divide the ranks, the heads, the intermediate size and the
             vocabulary (round --vocabulary-size up to a multiple); 1 keeps
-            every block whole (README, Tensor parallelism).
+            every block whole (README, Tensor parallelism). With
+            --pipeline-parallel P too, each stage's blocks are split: the
+            N ranks are data x P x T, tensor groups innermost.
         pipeline_parallel: int. Pipeline stages: each of this many workers
             runs a contiguous part of the GPT's blocks (the embeddings with
             the first, the final norm, head and loss with the last), and

@@ -48,8 +48,10 @@ class PipelineTrainStep:
     micro-batches, then (tied embeddings) the first and the last stage add
     each other's token-table gradients, then, with data parallelism,
     averaged over the replicas of the stage. The gradient norm is the
-    global norm over all stages (the table counted once), which clips
-    every stage alike.
+    global norm over all stages (the table counted once) and, with a
+    model built in tensor slices, all slices, which clips every stage
+    alike. (Under tensor parallelism a pipeline is the stages' ranks of
+    one slice: the hidden states they exchange are whole.)
 
     Args:
         stage: `tfgpt.distributed.pipeline_stage.PipelineStage` of this rank.

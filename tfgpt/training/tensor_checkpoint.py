@@ -17,7 +17,9 @@ on one layout resumes or is fine-tuned on another; `restore_whole` reads
 the slices straight into a whole model (`tfgpt.loading`, so generate,
 export and convert read tensor-parallel runs as they are). Joining and
 cutting follow each variable's split rule
-(`tfgpt.distributed.tensor_parallel.take_slice`).
+(`tfgpt.distributed.tensor_parallel.take_slice`). A run with
+`--pipeline-parallel` as well merges into a pipeline run's checkpoint
+(`tfgpt.training.tensor_pipeline_checkpoint`).
 
     python -m tfgpt.training.tensor_checkpoint merge RUN OUT
     python -m tfgpt.training.tensor_checkpoint split RUN OUT --tensor-parallel 2
