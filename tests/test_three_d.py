@@ -101,10 +101,26 @@ def test_a_three_d_run_names_its_layout_resumes_and_merges_into_a_pipeline_run(
     assert code == 0, output
     code, output = _train_hvd(4, tiny_data, cut, "--steps", "2", *THREE_D)
     assert code == 0, output
-    # Which rank holds which blocks and which slice, and its bytes.
-    for rank, (stage, blocks) in enumerate([(0, "0-1"), (0, "0-1"), (1, "2-2"), (1, "2-2")]):
+    # Which rank holds which blocks and which slice, and its bytes: a slice
+    # of a block (C = 32, I = 48, T = 2) has its norms, the query/key/value
+    # and feed-forward columns, the output and second feed-forward rows and
+    # the row-parallel layers' biases; the first stage the token table's
+    # V/T rows and the position table, the last its copy of those rows and
+    # the final norm.
+    from tfgpt.training.loop import byte_size
+
+    width, inner, vocabulary_rows, positions = 32, 48 // 2, 300 // 2, 16
+    block = (4 * width + width * 3 * width // 2 + 3 * width // 2 + width // 2 * width + width
+             + width * inner + inner + inner * width + width)
+    first = vocabulary_rows * width + positions * width + 2 * block
+    last = block + 2 * width + vocabulary_rows * width
+    held = first + block + 2 * width
+    for rank, (stage, blocks, trained) in enumerate(
+            [(0, "0-1", first), (0, "0-1", first), (1, "2-2", last), (1, "2-2", last)]):
         assert (f"rank {rank}: stage {stage} blocks {blocks}, tensor slice {rank % 2 + 1}/2, "
-                "parameters ") in output, output
+                f"trains {trained:,} of the {held:,} parameters it holds: parameters "
+                f"{byte_size(4 * held)}, gradients {byte_size(4 * trained)}, optimizer "
+                f"{byte_size(8 * trained)}") in output, output
     assert "layout: 4 rank(s) = data 1 x pipeline 2 x tensor 2" in output
     tensor_checkpoint(["merge", str(cut), str(merged)])  # at step 2
     code, output = _train_hvd(4, tiny_data, cut, "--steps", "4", "--resume", *THREE_D)

@@ -105,8 +105,9 @@ def _rank_state(stage, layout, rank):
     return (
         f"rank {rank}: stage {pipeline_index} blocks {blocks}"
         + (f", tensor slice {tensor_index + 1}/{layout.tensor}" if layout.tensor > 1 else "")
-        + f", parameters {byte_size(4 * held)} ({byte_size(sizes['parameters'])} trained), "
-        f"gradients {byte_size(sizes['gradients'])}, optimizer {byte_size(sizes['optimizer'])}"
+        + f", trains {sum(trained.values()):,} of the {held:,} parameters it holds: parameters "
+        f"{byte_size(4 * held)}, gradients {byte_size(sizes['gradients'])}, optimizer "
+        f"{byte_size(sizes['optimizer'])}"
     )
 
 
