@@ -55,13 +55,24 @@ def test_two_stages_of_two_slices_match_one_process(tmp_path):
     oracle = run_and_load(SCRIPT, tmp_path, "global", 0, *flags)[0]
     assert oracle["norms"][0] > 0.3
     assert not np.allclose(oracle["losses"][0], oracle["losses"][-1])  # it trained
-    for schedule in ("1f1b", "gpipe"):
-        results = run_and_load(SCRIPT, tmp_path, schedule, 4, "--tensor", "2", "--stages", "2",
-                               "--schedule", schedule, "--microbatches", "4", *flags)
-        # Split per block: the heads' projections in and out (3 variables), the
-        # MLP's (3); and the token embedding.
-        assert len([key for key in results[0] if key.startswith("rule_")]) == 4 * 6 + 1
-        _assert_slices_join_to_the_oracle(results, oracle, 2, schedule)
+    results = run_and_load(SCRIPT, tmp_path, "1f1b", 4, "--tensor", "2", "--stages", "2",
+                           "--schedule", "1f1b", "--microbatches", "4", *flags)
+    # Split per block: the heads' projections in and out (3 variables), the
+    # MLP's (3); and the token embedding.
+    assert len([key for key in results[0] if key.startswith("rule_")]) == 4 * 6 + 1
+    _assert_slices_join_to_the_oracle(results, oracle, 2, "1f1b")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_gpipe_with_a_vocabulary_parallel_head_of_its_own_matches_one_process(tmp_path):
+    # The untied lm_head's V/T columns on each rank of the last stage.
+    flags = ["--untied", "--layers", "3", *VOCABULARY]
+    oracle = run_and_load(SCRIPT, tmp_path, "global", 0, *flags)[0]
+    results = run_and_load(SCRIPT, tmp_path, "gpipe", 4, "--tensor", "2", "--stages", "2",
+                           "--schedule", "gpipe", "--microbatches", "2", *flags)
+    assert len([key for key in results[0] if key.startswith("rule_")]) == 3 * 6 + 2
+    _assert_slices_join_to_the_oracle(results, oracle, 2, "gpipe, untied")
 
 
 # ---- train_hvd.py end to end -------------------------------------------------------
@@ -132,6 +143,14 @@ def test_a_three_d_run_names_its_layout_resumes_and_merges_into_a_pipeline_run(
     assert "resumed from" in output
     losses = assert_same_train_losses(whole, [cut], 4, 1e-5)
     assert losses[4] < losses[1]
+    # Generation, export and conversion read the slices as the whole model.
+    import tensorflow as tf
+
+    from tfgpt.loading import load_model
+
+    tokens = tf.constant([[1, 2, 3, 4, 5]])
+    np.testing.assert_allclose(load_model(str(cut))[0](tokens), load_model(str(whole))[0](tokens),
+                               rtol=0, atol=1e-4)
     resumed = train_losses(merged)
     assert sorted(resumed) == [3, 4]
     for step in resumed:

@@ -139,6 +139,11 @@ class TensorParallelCheckpointer:
         found = slice_count(self.directory, step)
         if found != self.tensor_slice.size:
             raise split_elsewhere_error(path, found, self.tensor_slice.size)
+        if os.path.isdir(os.path.join(self.directory, "pipeline")):
+            raise ValueError(
+                f"{path} was written by a --pipeline-parallel run: resume with its "
+                "--pipeline-parallel, or merge it first with python -m "
+                "tfgpt.training.tensor_checkpoint merge RUN OUT")
         self.checkpointer.checkpoint.restore(path).assert_existing_objects_matched()
         prefix = slice_prefix(self.directory, step, self.tensor_slice.index, found)
         self.slice_checkpoint.read(prefix).assert_existing_objects_matched()
@@ -217,14 +222,20 @@ def _join_into(whole_pairs, slice_pairs):
 
 def restore_whole(directory, path, model):
     """Reads the slices of the tensor-parallel checkpoint `path` into the whole `model`."""
-    _, family, model_config, train_config = _run_configs(directory)
+    record, family, model_config, train_config = _run_configs(directory)
     step = step_of(path)
     size = slice_count(directory, step)
-    slices = _slices(directory, step, size, family, model_config, train_config)
-    rules = split_rules(slices[0][0])
+    if record["train"].get("pipeline_parallel", 1) > 1:  # slices of the model only
+        from tfgpt.training.tensor_pipeline_checkpoint import slice_models
+
+        models = slice_models(directory, step, size, family, model_config)
+    else:
+        models = [m for m, _ in _slices(directory, step, size, family, model_config,
+                                        train_config)]
+    rules = split_rules(models[0])
     for index, variable in enumerate(model.trainable_variables):
-        parts = [m.trainable_variables[index].numpy() for m, _ in slices]
-        rule = rules.get(id(slices[0][0].trainable_variables[index]))
+        parts = [m.trainable_variables[index].numpy() for m in models]
+        rule = rules.get(id(models[0].trainable_variables[index]))
         variable.assign(parts[0] if rule is None else join_slices(parts, rule))
 
 

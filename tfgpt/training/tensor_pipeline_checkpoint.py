@@ -122,6 +122,21 @@ def _stage_optimizer(train_config, variables):
     return optimizer
 
 
+def slice_models(directory, step, size, family, model_config):
+    """The `size` slice models of `directory`'s checkpoint at `step`, with their dropout states."""
+    from tfgpt.training.loop import seed_generator_states
+    from tfgpt.training.objectives import build_model
+
+    models = []
+    for index in range(size):
+        with slice_scope(TensorSlice(None, None, size, index)):
+            model = build_model(family, model_config, dtype="float32")
+        tf.train.Checkpoint(model=model, rng=seed_generator_states(model)).read(
+            slice_prefix(directory, step, index, size)).assert_existing_objects_matched()
+        models.append(model)
+    return models
+
+
 def merge(directory, out, record, family, model_config, train_config):
     """Writes `directory`'s latest checkpoint as that of a `--pipeline-parallel P` run in `out`.
 
@@ -145,13 +160,7 @@ def merge(directory, out, record, family, model_config, train_config):
         return PipelineStage(model, schedule, rank, partition=train["pipeline_partition"],
                              sequence_length=record["data"]["seq_len"])
 
-    slices = []
-    for index in range(size):
-        with slice_scope(TensorSlice(None, None, size, index)):
-            model = build_model(family, model_config, dtype="float32")
-        tf.train.Checkpoint(model=model, rng=seed_generator_states(model)).read(
-            slice_prefix(directory, step, index, size)).assert_existing_objects_matched()
-        slices.append(model)
+    slices = slice_models(directory, step, size, family, model_config)
     rules = split_rules(slices[0])
     model = build_model(family, model_config, dtype="float32")
 
