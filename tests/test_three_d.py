@@ -80,15 +80,15 @@ def test_gpipe_with_a_vocabulary_parallel_head_of_its_own_matches_one_process(tm
 TINY_MODEL = [
     "--num-layers", "3", "--num-heads", "2", "--hidden-dim", "32",
     "--intermediate-dim", "48", "--max-sequence-length", "16", "--batch-size", "4",
-    "--pipeline-parallel", "2", "--microbatches", "2",
 ]
+PIPELINE = ["--pipeline-parallel", "2", "--microbatches", "2"]
 THREE_D = ["--tensor-parallel", "2"]
 
 
-def _train_hvd(workers, data, out, *flags):
+def _train_hvd(workers, data, out, *flags, pipeline=PIPELINE):
     return horovodrun(workers, REPO / "train_hvd.py", "--data", data, "--out", out,
                       "--log-every", "1", "--eval-batches", "2", "--warmup-steps", "2",
-                      *TINY_MODEL, *flags)
+                      *TINY_MODEL, *pipeline, *flags)
 
 
 @pytest.mark.distributed
@@ -151,6 +151,11 @@ def test_a_three_d_run_names_its_layout_resumes_and_merges_into_a_pipeline_run(
     tokens = tf.constant([[1, 2, 3, 4, 5]])
     np.testing.assert_allclose(load_model(str(cut))[0](tokens), load_model(str(whole))[0](tokens),
                                rtol=0, atol=1e-4)
+    # Without the pipeline the slices lack their optimizer state: one line says what to do.
+    code, output = _train_hvd(2, tiny_data, cut, "--steps", "5", "--resume", *THREE_D,
+                              pipeline=[])
+    assert code != 0
+    assert "was written by a --pipeline-parallel run: resume with its" in output, output
     resumed = train_losses(merged)
     assert sorted(resumed) == [3, 4]
     for step in resumed:
