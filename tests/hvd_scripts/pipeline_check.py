@@ -13,14 +13,19 @@ on its shards of its stage's variables (`ZeroSharding` over the stage's
 data group), and the file also holds `shapes` (the stage's trained
 variables' shapes, padded with -1) and `slot_elements` (this rank's
 elements of both optimizer moments).
+With `--tensor T` the stages' blocks are split over
+T ranks each as well (`HorovodDistribution`'s layout, data x pipeline x
+tensor): the weights are this rank's slices, with their split rules
+(`rule_I`, absent for a replicated variable).
 
 Usage: pipeline_check.py OUT TAG [--global] [--schedule gpipe|1f1b|interleaved]
 [--microbatches M] [--stages P] [--virtual-stages V] [--partition uniform|balanced]
 [--clip C] [--dropout R] [--untied] [--layers L] [--die-at-step K]
-[--precision off|bfloat16] [--zero-stage S] [--rows R]
+[--precision off|bfloat16] [--zero-stage S] [--rows R] [--tensor T] [--vocabulary V]
 """
 
 import argparse
+import contextlib
 import os
 
 import keras
@@ -30,6 +35,7 @@ import tensorflow as tf
 from tfgpt import GPT
 from tfgpt.config.training import TrainConfig
 from tfgpt.distributed.zero import slot_variables
+from tfgpt.distributed.tensor_parallel import split_rules
 from tfgpt.training.loop import POLICIES
 from tfgpt.training.optimizers import make_optimizer
 
@@ -39,9 +45,9 @@ ROWS = 12
 LENGTH = 7
 
 
-def batches(rows=ROWS):
+def batches(rows=ROWS, vocabulary=VOCABULARY):
     rng = np.random.default_rng(1000)
-    return [tuple(rng.integers(0, VOCABULARY, (rows, LENGTH)).astype("int32") for _ in range(2))
+    return [tuple(rng.integers(0, vocabulary, (rows, LENGTH)).astype("int32") for _ in range(2))
             for _ in range(STEPS)]
 
 
@@ -63,6 +69,8 @@ def main():
     parser.add_argument("--precision", default="off")
     parser.add_argument("--zero-stage", type=int, default=0)
     parser.add_argument("--rows", type=int, default=ROWS)
+    parser.add_argument("--tensor", type=int, default=1)
+    parser.add_argument("--vocabulary", type=int, default=VOCABULARY)
     args = parser.parse_args()
 
     if not args.global_batch:
@@ -74,6 +82,7 @@ def main():
             pipeline_parallel=args.stages, microbatches=args.microbatches,
             pipeline_schedule=args.schedule, virtual_stages=args.virtual_stages,
             pipeline_partition=args.partition, zero_stage=args.zero_stage,
+            tensor_parallel=args.tensor,
         ))
     config = TrainConfig(
         data=args.out, steps=STEPS, learning_rate=0.01, warmup_steps=2, weight_decay=0.1,
@@ -81,12 +90,13 @@ def main():
     )
     keras.utils.set_random_seed(7)
     keras.config.set_dtype_policy(POLICIES[args.precision])
-    model = GPT(vocabulary_size=VOCABULARY, num_layers=args.layers, num_heads=2, hidden_dim=8,
-                intermediate_dim=12, max_sequence_length=LENGTH, dropout=args.dropout,
-                tie_embeddings=not args.untied)
+    with contextlib.nullcontext() if args.global_batch else distribution.scope():
+        model = GPT(vocabulary_size=args.vocabulary, num_layers=args.layers, num_heads=2,
+                    hidden_dim=8, intermediate_dim=12, max_sequence_length=LENGTH,
+                    dropout=args.dropout, tie_embeddings=not args.untied)
     optimizer = make_optimizer(config, 1, steps=STEPS)
     rank = 0
-    data = batches(args.rows)
+    data = batches(args.rows, args.vocabulary)
     if args.global_batch:
         from tfgpt.distributed.local import LocalDistribution
         from tfgpt.training.train_step import TrainStep
@@ -135,11 +145,14 @@ def main():
         distribution.allreduce_mean(tf.constant(0.0))  # no rank leaves while others broadcast
     trained = model.trainable_variables if args.global_batch else stage.trainable_variables
     slots = slot_variables(optimizer)
+    rules = split_rules(model)
     np.savez(
         f"{args.out}/{args.tag}-rank-{rank}.npz", losses=np.array(losses), norms=np.array(norms),
         shapes=np.array([list(v.shape) + [-1] * (3 - len(v.shape)) for v in trained]),
         slot_elements=sum(int(np.prod(v.shape)) for kind in slots.values() for v in kind),
         **{f"weight_{i}": v.numpy() for i, v in enumerate(variables)},
+        **{f"rule_{i}": np.array(rules[id(v)]) for i, v in enumerate(variables)
+           if id(v) in rules},
     )
 
 

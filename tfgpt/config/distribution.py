@@ -88,7 +88,9 @@ class HorovodOptions:
             only); the other factor of the ranks is data parallelism. Must
             divide the ranks, the heads, the intermediate size and the
             vocabulary (round --vocabulary-size up to a multiple); 1 keeps
-            every block whole (README, Tensor parallelism).
+            every block whole (README, Tensor parallelism). With
+            --pipeline-parallel P too, each stage's blocks are split: the
+            N ranks are data x P x T, tensor groups innermost.
         pipeline_parallel: int. Pipeline stages: each of this many workers
             runs a contiguous part of the GPT's blocks (the embeddings with
             the first, the final norm, head and loss with the last), and
@@ -168,16 +170,17 @@ class HorovodOptions:
                 f"replicas. Received: zero_stage={self.zero_stage}, "
                 f"pipeline_parallel={self.pipeline_parallel}"
             )
+        if self.pipeline_parallel > 1 and self.tensor_parallel > 1 and self.zero_stage:
+            raise ValueError(
+                f"--zero-stage {self.zero_stage} does not combine with --tensor-parallel and "
+                "--pipeline-parallel together yet (it does with either alone): use "
+                f"--zero-stage 0. Received: tensor_parallel={self.tensor_parallel}, "
+                f"pipeline_parallel={self.pipeline_parallel}"
+            )
         if self.elastic and self.pipeline_parallel > 1:
             raise ValueError(
                 f"--elastic cannot re-cut --pipeline-parallel {self.pipeline_parallel} stages when "
                 "workers come and go: use --pipeline-parallel 1 with --elastic"
-            )
-        if self.tensor_parallel > 1 and self.pipeline_parallel > 1:
-            raise ValueError(
-                "--tensor-parallel and --pipeline-parallel do not combine yet: choose one. "
-                f"Received: tensor_parallel={self.tensor_parallel}, "
-                f"pipeline_parallel={self.pipeline_parallel}"
             )
 
 

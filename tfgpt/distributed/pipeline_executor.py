@@ -34,6 +34,7 @@ import time
 import tensorflow as tf
 
 from tfgpt.distributed.pipeline_schedule import BACKWARD, FORWARD
+from tfgpt.distributed.tensor_parallel import split_rules
 from tfgpt.training.train_step import STEP_TIMES, _dense
 
 
@@ -47,8 +48,10 @@ class PipelineTrainStep:
     micro-batches, then (tied embeddings) the first and the last stage add
     each other's token-table gradients, then, with data parallelism,
     averaged over the replicas of the stage. The gradient norm is the
-    global norm over all stages (the table counted once), which clips
-    every stage alike.
+    global norm over all stages (the table counted once) and, with a
+    model built in tensor slices, all slices, which clips every stage
+    alike. (Under tensor parallelism a pipeline is the stages' ranks of
+    one slice: the hidden states they exchange are whole.)
 
     Args:
         stage: `tfgpt.distributed.pipeline_stage.PipelineStage` of this rank.
@@ -240,18 +243,34 @@ class PipelineTrainStep:
         return gradients
 
     def _loss_and_norm(self, losses, gradients):
-        """The batch's loss and the global gradient norm, each the same on every rank."""
+        """The batch's loss and the global gradient norm, each the same on every rank.
+
+        Under tensor parallelism the squares of the slices (split
+        variables) are summed over the tensor group too; the replicated
+        variables, the same on every rank of the group, count once.
+        """
         # The last stage's copy of a tied table has the first stage's gradient: count it once.
         duplicate = self.stage.table if self.stage.tied and not self.stage.holds_first else None
-        squares = [tf.reduce_sum(tf.square(tf.cast(g, "float32")))
-                   for v, g in zip(self.variables, gradients) if v is not duplicate]
-        squares = tf.add_n(squares) if squares else tf.constant(0.0)
+        tensor_slice = getattr(self.stage.model, "tensor_slice", None)
+        split = split_rules(self.stage.model) if tensor_slice is not None else {}
+        squares = {True: [], False: []}
+        for variable, gradient in zip(self.variables, gradients):
+            if variable is not duplicate:
+                squares[id(variable) in split].append(
+                    tf.reduce_sum(tf.square(tf.cast(gradient, "float32"))))
+        squares = tf.stack([tf.add_n(squares[kind]) if squares[kind] else tf.constant(0.0)
+                            for kind in (True, False)])
         if self.zero is not None:  # of shards: the stage's squares add up over its replicas
-            squares = self.zero.sum_over_ranks(tf.reshape(squares, [1]))[0]
+            squares = self.zero.sum_over_ranks(squares)
         local = tf.stack([
-            squares,
+            squares[0],
+            squares[1],
             tf.add_n(losses) / self.schedule.microbatches if losses else tf.constant(0.0),
         ])
         total = self._hvd.allreduce(local, op=self._hvd.Sum, name="pipeline_loss_and_norm",
                                     process_set=self.pipeline_set)
-        return total[1], tf.sqrt(total[0])
+        sliced = total[0]
+        if tensor_slice is not None:
+            sliced = self._hvd.allreduce(sliced, op=self._hvd.Sum, name="pipeline_sliced_norm",
+                                         process_set=tensor_slice.process_set)
+        return total[2], tf.sqrt(sliced + total[1])

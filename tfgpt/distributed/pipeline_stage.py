@@ -108,7 +108,9 @@ class PipelineStage:
             return x
         if self.model.final_norm is not None:
             x = self.model.final_norm(x)
-        return cross_entropy(targets, self.model._project_to_vocabulary(x))
+        # Under tensor parallelism the logits are this slice's part of the vocabulary.
+        return cross_entropy(targets, self.model._project_to_vocabulary(x),
+                             tensor_slice=getattr(self.model, "tensor_slice", None))
 
     def owned_variables(self, stage):
         """Every variable (trainable or not: dropout's random state too) that

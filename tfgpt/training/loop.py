@@ -171,6 +171,13 @@ def broadcast_state(distribution, model, optimizer, step, zero):
     )
 
 
+def byte_size(count):
+    """`count` bytes in KiB below one MiB, in MiB, or in GiB from one on."""
+    if count < 2**20:
+        return f"{count / 2**10:.1f} KiB"
+    return f"{count / 2**30:.2f} GiB" if count >= 2**30 else f"{count / 2**20:.1f} MiB"
+
+
 def state_line(model, distribution, zero):
     """The start-up line with this rank's bytes of parameters, gradients and optimizer state.
 
@@ -182,9 +189,7 @@ def state_line(model, distribution, zero):
     parameters = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
     sizes = state_bytes(parameters, stage, distribution.size,
                         gathered=zero.largest_unit() if zero and stage == 3 else 0)
-    def gib(count):
-        return f"{count / 2**30:.2f} GiB" if count >= 2**30 else f"{count / 2**20:.1f} MiB"
-
+    gib = byte_size
     ranks = f"{distribution.size} rank(s)"
     if distribution.tensor_slice is not None:
         ranks = (f"{distribution.size} data replica(s) x tensor {distribution.tensor_slice.size}, "

@@ -79,17 +79,48 @@ def build_pipeline(model, optimizer, distribution, sequence_length):
                                     distribution.data_process_set, zero=zero)
 
 
-def describe(stage):
+def describe(stage, layout=None):
     """The start-up line: the schedule, its bubble, which blocks each stage
-    runs, and what this rank trains."""
+    runs, and what this rank trains; with the run's `layout`, for each rank
+    of the first data replica, its blocks, its tensor slice and its bytes."""
     schedule = stage.schedule
     trained = sum(int(np.prod(v.shape)) for v in stage.trainable_variables)
-    return (
+    line = (
         f"pipeline: {schedule.name}, {schedule.stages} stages x {schedule.virtual_stages} "
         f"chunk(s), {schedule.microbatches} micro-batches, {schedule.ticks} ticks per step, "
         f"bubble {schedule.bubble(0):.3f} (idle / busy ticks); {stage.describe()}; rank "
         f"{stage.rank} trains {trained:,} parameters (their gradients and optimizer state; "
         "every rank keeps the whole model's weights)"
+    )
+    if layout is not None:
+        line += "; per rank: " + "; ".join(
+            _rank_state(stage, layout, rank) for rank in range(layout.size // layout.data))
+    return line
+
+
+def _rank_state(stage, layout, rank):
+    """`rank`'s blocks, slice and float32 bytes of weights (every rank holds
+    its slice of all of them), gradients and AdamW moments (its stage's)."""
+    from tfgpt.distributed.zero import state_bytes
+    from tfgpt.training.loop import byte_size
+
+    _, pipeline_index, tensor_index = layout.coordinates(rank)
+    schedule = stage.schedule
+    chunks = [schedule.virtual_stage(pipeline_index, chunk)
+              for chunk in range(schedule.virtual_stages)]
+    # A slice's sizes are the same on every rank of its tensor group.
+    trained = {id(v): int(np.prod(v.shape)) for chunk in chunks
+               for v in stage.chunk_variables(chunk)}
+    sizes = state_bytes(sum(trained.values()), 0, 1)
+    held = sum(int(np.prod(v.shape)) for v in stage.model.trainable_variables)
+    blocks = ", ".join(f"{stage.ranges[chunk][0]}-{stage.ranges[chunk][1] - 1}"
+                       for chunk in chunks)
+    return (
+        f"rank {rank}: stage {pipeline_index} blocks {blocks}"
+        + (f", tensor slice {tensor_index + 1}/{layout.tensor}" if layout.tensor > 1 else "")
+        + f", trains {sum(trained.values()):,} of the {held:,} parameters it holds: parameters "
+        f"{byte_size(4 * held)}, gradients {byte_size(sizes['gradients'])}, optimizer "
+        f"{byte_size(sizes['optimizer'])}"
     )
 
 

@@ -21,7 +21,9 @@ on one layout resumes or is fine-tuned on another; `restore_whole` reads
 the slices straight into a whole model (`tfgpt.loading`, so generate,
 export and convert read tensor-parallel runs as they are). Joining and
 cutting follow each variable's split rule
-(`tfgpt.distributed.tensor_parallel.take_slice`).
+(`tfgpt.distributed.tensor_parallel.take_slice`). A run with
+`--pipeline-parallel` as well merges into a pipeline run's checkpoint
+(`tfgpt.training.tensor_pipeline_checkpoint`).
 
     python -m tfgpt.training.tensor_checkpoint merge RUN OUT
     python -m tfgpt.training.tensor_checkpoint split RUN OUT --tensor-parallel 2
@@ -94,6 +96,15 @@ def _trackables(model, optimizer):
     return dict(model=model, optimizer=optimizer, rng=seed_generator_states(model))
 
 
+def remove_unkept_slices(checkpointer):
+    """Deletes the slices of the steps the chief's `checkpointer` no longer keeps."""
+    kept = {step_of(kept_path) for kept_path in checkpointer.manager.checkpoints}
+    root = os.path.join(checkpointer.directory, SLICES_DIRECTORY)
+    for name in os.listdir(root):
+        if name.startswith("ckpt-") and int(name.split("-")[1]) not in kept:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
 class TensorParallelCheckpointer:
     """Saves and restores a tensor-parallel run: slices first, the chief's index last.
 
@@ -140,11 +151,7 @@ class TensorParallelCheckpointer:
         self.distribution.allreduce_mean(tf.constant(0.0))  # barrier: every slice on disk
         path = self.checkpointer.save(step)
         if path:
-            kept = {step_of(kept_path) for kept_path in self.checkpointer.manager.checkpoints}
-            root = os.path.join(self.directory, SLICES_DIRECTORY)
-            for name in os.listdir(root):
-                if name.startswith("ckpt-") and int(name.split("-")[1]) not in kept:
-                    shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            remove_unkept_slices(self.checkpointer)
         return path
 
     def restore_latest(self):
@@ -156,6 +163,11 @@ class TensorParallelCheckpointer:
         found = slice_count(self.directory, step)
         if found != self.tensor_slice.size:
             raise split_elsewhere_error(path, found, self.tensor_slice.size)
+        if os.path.isdir(os.path.join(self.directory, "pipeline")):
+            raise ValueError(
+                f"{path} was written by a --pipeline-parallel run: resume with its "
+                "--pipeline-parallel, or merge it first with python -m "
+                "tfgpt.training.tensor_checkpoint merge RUN OUT")
         self.checkpointer.checkpoint.restore(path).assert_existing_objects_matched()
         if self.shard_checkpoint is None and zero_written(self.directory, step):
             raise ValueError(f"{path} was written with --zero-stage 1: its optimizer moments "
@@ -249,14 +261,20 @@ def _join_into(whole_pairs, slice_pairs):
 
 def restore_whole(directory, path, model):
     """Reads the slices of the tensor-parallel checkpoint `path` into the whole `model`."""
-    _, family, model_config, train_config = _run_configs(directory)
+    record, family, model_config, train_config = _run_configs(directory)
     step = step_of(path)
     size = slice_count(directory, step)
-    slices = _slices(directory, step, size, family, model_config, train_config, optimizer=False)
-    rules = split_rules(slices[0][0])
+    if record["train"].get("pipeline_parallel", 1) > 1:  # slices of the model only
+        from tfgpt.training.tensor_pipeline_checkpoint import slice_models
+
+        models = slice_models(directory, step, size, family, model_config)
+    else:
+        models = [m for m, _ in _slices(directory, step, size, family, model_config,
+                                        train_config, optimizer=False)]
+    rules = split_rules(models[0])
     for index, variable in enumerate(model.trainable_variables):
-        parts = [m.trainable_variables[index].numpy() for m, _ in slices]
-        rule = rules.get(id(slices[0][0].trainable_variables[index]))
+        parts = [m.trainable_variables[index].numpy() for m in models]
+        rule = rules.get(id(models[0].trainable_variables[index]))
         variable.assign(parts[0] if rule is None else join_slices(parts, rule))
 
 
@@ -285,6 +303,13 @@ def merge(directory, out):
     if zero_written(directory, step):
         raise ValueError(f"{path} was written with --zero-stage 1: its optimizer moments are "
                          "shards, which merge does not join; resume it on the same layout")
+    if record["train"].get("pipeline_parallel", 1) > 1:
+        # Into a pipeline run's checkpoint of the same stages (its optimizer is per stage).
+        from tfgpt.training import tensor_pipeline_checkpoint
+
+        _copy_run_files(directory, out, dict(record, train=dict(record["train"], tensor_parallel=1)))
+        return tensor_pipeline_checkpoint.merge(directory, out, record, family, model_config,
+                                                train_config)
     # Slice 0's dropout states are the whole model's (the others' split
     # dropouts are offset from them).
     slices = _slices(directory, step, size, family, model_config, train_config)

@@ -1,0 +1,164 @@
+"""Tensor and pipeline parallelism in one run (data x pipeline x tensor ranks).
+
+Each pipeline stage's blocks hold this rank's tensor slice; the stages of
+one tensor index form a pipeline. Checked against one process on the same
+global batch (`tests/hvd_scripts/pipeline_check.py --tensor`), and end to
+end through `train_hvd.py`: the start-up lines, checkpoints, resume.
+"""
+
+import numpy as np
+import pytest
+
+from tests.launch import (
+    REPO, assert_same_train_losses, horovodrun, run_and_load, saved_weights, train_losses,
+)
+from tfgpt.config.distribution import HorovodOptions
+
+SCRIPT = REPO / "tests" / "hvd_scripts" / "pipeline_check.py"
+# The tensor slices split the vocabulary: an even one.
+VOCABULARY = ["--vocabulary", "38"]
+
+
+def test_tensor_and_pipeline_parallelism_combine():
+    options = HorovodOptions(tensor_parallel=2, pipeline_parallel=2, microbatches=2)
+    assert (options.tensor_parallel, options.pipeline_parallel) == (2, 2)
+    with pytest.raises(ValueError, match="--zero-stage 1 does not combine with --tensor-parallel"):
+        HorovodOptions(tensor_parallel=2, pipeline_parallel=2, microbatches=2, zero_stage=1)
+
+
+def _assert_slices_join_to_the_oracle(results, oracle, tensor, what):
+    """Every rank holds the whole model's slice of its tensor index; each
+    tensor group's slices join into the oracle's weights."""
+    from tfgpt.distributed.tensor_parallel import join_slices
+
+    expected = saved_weights(oracle)
+    for first in range(0, len(results), tensor):
+        group = results[first:first + tensor]
+        for index, weight in enumerate(expected):
+            name = f"weight_{index}"
+            if f"rule_{index}" in group[0]:
+                whole = join_slices([r[name] for r in group], tuple(group[0][f"rule_{index}"]))
+            else:
+                whole = group[0][name]
+            np.testing.assert_allclose(whole, weight, rtol=0, atol=1e-5,
+                                       err_msg=f"{what}, ranks {first}-{first + tensor - 1}, "
+                                               f"weight {index}")
+    for result in results:
+        np.testing.assert_allclose(result["losses"], oracle["losses"], rtol=0, atol=1e-5)
+        np.testing.assert_allclose(result["norms"], oracle["norms"], rtol=1e-5)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_two_stages_of_two_slices_match_one_process(tmp_path):
+    # -np 4: stage 0 on ranks 0-1, stage 1 on ranks 2-3, each split in 2
+    # slices; clipping acts, so the norm must count every stage and slice.
+    flags = ["--clip", "0.3", *VOCABULARY]
+    oracle = run_and_load(SCRIPT, tmp_path, "global", 0, *flags)[0]
+    assert oracle["norms"][0] > 0.3
+    assert not np.allclose(oracle["losses"][0], oracle["losses"][-1])  # it trained
+    results = run_and_load(SCRIPT, tmp_path, "1f1b", 4, "--tensor", "2", "--stages", "2",
+                           "--schedule", "1f1b", "--microbatches", "4", *flags)
+    # Split per block: the heads' projections in and out (3 variables), the
+    # MLP's (3); and the token embedding.
+    assert len([key for key in results[0] if key.startswith("rule_")]) == 4 * 6 + 1
+    _assert_slices_join_to_the_oracle(results, oracle, 2, "1f1b")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_gpipe_with_a_vocabulary_parallel_head_of_its_own_matches_one_process(tmp_path):
+    # The untied lm_head's V/T columns on each rank of the last stage.
+    flags = ["--untied", "--layers", "3", *VOCABULARY]
+    oracle = run_and_load(SCRIPT, tmp_path, "global", 0, *flags)[0]
+    results = run_and_load(SCRIPT, tmp_path, "gpipe", 4, "--tensor", "2", "--stages", "2",
+                           "--schedule", "gpipe", "--microbatches", "2", *flags)
+    assert len([key for key in results[0] if key.startswith("rule_")]) == 3 * 6 + 2
+    _assert_slices_join_to_the_oracle(results, oracle, 2, "gpipe, untied")
+
+
+# ---- train_hvd.py end to end -------------------------------------------------------
+
+TINY_MODEL = [
+    "--num-layers", "3", "--num-heads", "2", "--hidden-dim", "32",
+    "--intermediate-dim", "48", "--max-sequence-length", "16", "--batch-size", "4",
+]
+PIPELINE = ["--pipeline-parallel", "2", "--microbatches", "2"]
+THREE_D = ["--tensor-parallel", "2"]
+
+
+def _train_hvd(workers, data, out, *flags, pipeline=PIPELINE):
+    return horovodrun(workers, REPO / "train_hvd.py", "--data", data, "--out", out,
+                      "--log-every", "1", "--eval-batches", "2", "--warmup-steps", "2",
+                      *TINY_MODEL, *pipeline, *flags)
+
+
+@pytest.mark.distributed
+def test_ranks_that_are_not_data_x_pipeline_x_tensor_is_one_error_line(tiny_data, tmp_path):
+    code, output = _train_hvd(2, tiny_data, tmp_path / "run", "--steps", "1", *THREE_D)
+    assert code != 0
+    message = "size=2, tensor_parallel=2, pipeline_parallel=2"
+    assert [line for line in output.splitlines() if "error:" in line and message in line], output
+    assert "model: " not in output, output  # before the model is built
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_three_d_run_names_its_layout_resumes_and_merges_into_a_pipeline_run(
+        tiny_data, tmp_path):
+    from tfgpt.training.tensor_checkpoint import main as tensor_checkpoint
+
+    # The oracle: the same batches through a pipeline of whole blocks.
+    whole, cut, merged = tmp_path / "whole", tmp_path / "cut", tmp_path / "merged"
+    code, output = _train_hvd(2, tiny_data, whole, "--steps", "4")
+    assert code == 0, output
+    code, output = _train_hvd(4, tiny_data, cut, "--steps", "2", *THREE_D)
+    assert code == 0, output
+    # Which rank holds which blocks and which slice, and its bytes: a slice
+    # of a block (C = 32, I = 48, T = 2) has its norms, the query/key/value
+    # and feed-forward columns, the output and second feed-forward rows and
+    # the row-parallel layers' biases; the first stage the token table's
+    # V/T rows and the position table, the last its copy of those rows and
+    # the final norm.
+    from tfgpt.training.loop import byte_size
+
+    width, inner, vocabulary_rows, positions = 32, 48 // 2, 300 // 2, 16
+    block = (4 * width + width * 3 * width // 2 + 3 * width // 2 + width // 2 * width + width
+             + width * inner + inner + inner * width + width)
+    first = vocabulary_rows * width + positions * width + 2 * block
+    last = block + 2 * width + vocabulary_rows * width
+    held = first + block + 2 * width
+    for rank, (stage, blocks, trained) in enumerate(
+            [(0, "0-1", first), (0, "0-1", first), (1, "2-2", last), (1, "2-2", last)]):
+        assert (f"rank {rank}: stage {stage} blocks {blocks}, tensor slice {rank % 2 + 1}/2, "
+                f"trains {trained:,} of the {held:,} parameters it holds: parameters "
+                f"{byte_size(4 * held)}, gradients {byte_size(4 * trained)}, optimizer "
+                f"{byte_size(8 * trained)}") in output, output
+    assert "layout: 4 rank(s) = data 1 x pipeline 2 x tensor 2" in output
+    tensor_checkpoint(["merge", str(cut), str(merged)])  # at step 2
+    code, output = _train_hvd(4, tiny_data, cut, "--steps", "4", "--resume", *THREE_D)
+    assert code == 0, output
+    assert "resumed from" in output
+    # The merged checkpoint goes on as a pipeline run of whole blocks.
+    code, output = _train_hvd(2, tiny_data, merged, "--steps", "4", "--resume")
+    assert code == 0, output
+    assert "resumed from" in output
+    losses = assert_same_train_losses(whole, [cut], 4, 1e-5)
+    assert losses[4] < losses[1]
+    # Generation, export and conversion read the slices as the whole model.
+    import tensorflow as tf
+
+    from tfgpt.loading import load_model
+
+    tokens = tf.constant([[1, 2, 3, 4, 5]])
+    np.testing.assert_allclose(load_model(str(cut))[0](tokens), load_model(str(whole))[0](tokens),
+                               rtol=0, atol=1e-4)
+    # Without the pipeline the slices lack their optimizer state: one line says what to do.
+    code, output = _train_hvd(2, tiny_data, cut, "--steps", "5", "--resume", *THREE_D,
+                              pipeline=[])
+    assert code != 0
+    assert "was written by a --pipeline-parallel run: resume with its" in output, output
+    resumed = train_losses(merged)
+    assert sorted(resumed) == [3, 4]
+    for step in resumed:
+        assert resumed[step] == pytest.approx(losses[step], abs=1e-5), step
