@@ -51,16 +51,18 @@ def test_pipeline_runs_refuse_what_they_do_not_do(config, family, message):
                        GPTConfig(num_layers=2))  # what fits passes
 
 
-def test_bad_pipeline_flags_are_one_error_line_before_tensorflow(capsys):
+@pytest.mark.parametrize("microbatches", ["1", "3"])  # M < P, M not divisible by P
+def test_bad_pipeline_flags_are_one_error_line_before_tensorflow(capsys, microbatches):
+    # (gpipe and 1f1b train at these M: tests/test_pipeline.py.)
     import train_hvd
 
     with pytest.raises(SystemExit) as exit_info:
-        train_hvd.main(["--data", "d", "--pipeline-parallel", "2", "--microbatches", "3",
+        train_hvd.main(["--data", "d", "--pipeline-parallel", "2", "--microbatches", microbatches,
                         "--pipeline-schedule", "interleaved", "--virtual-stages", "2"])
     assert exit_info.value.code == 2
     error = capsys.readouterr().err
     assert len([line for line in error.splitlines() if "error:" in line]) == 1
-    assert "microbatches=3, pipeline_parallel=2" in error
+    assert f"microbatches={microbatches}, pipeline_parallel=2" in error
 
 
 def test_train_mirrored_refuses_pipeline_flags_naming_train_hvd(capsys):
