@@ -100,11 +100,9 @@ class Checkpointer:
         if not path:
             return None
         from tfgpt.training.sharded_checkpoint import is_sharded
-        from tfgpt.training.tensor_checkpoint import slice_count, split_elsewhere_error, step_of
+        from tfgpt.training.tensor_checkpoint import check_whole
 
-        slices = slice_count(self.directory, step_of(path))
-        if slices is not None:
-            raise split_elsewhere_error(path, slices, None)
+        check_whole(self.directory, path)
         if is_sharded(path):
             if self.restore_sharded is None:
                 raise ValueError(f"{path} was written by a --zero-stage run: its weights are in shards")

@@ -9,15 +9,38 @@ stage's weights (and dropout state) are broadcast from the rank that
 trains them, so the chief writes the whole model, which `--resume`,
 generation and fine-tuning read like any other; each rank writes its own
 optimizer state beside it, in `OUT/pipeline/stage-S` (the first
-data-parallel replica of each stage writes it).
+data-parallel replica of each stage writes it). `tfgpt.training.
+tensor_checkpoint` merges these into an ordinary checkpoint and splits
+one into any pipeline layout.
 """
 
 import os
 
 import numpy as np
+import tensorflow as tf
 
 from tfgpt.distributed.pipeline_partition import check_partition
 from tfgpt.training.checkpointing import Checkpointer
+
+PIPELINE_DIRECTORY = "pipeline"
+# The options that decide which variables each stage trains, and so what
+# its optimizer state holds (the schedule and --microbatches do not).
+PIPELINE_CUT = ("pipeline_parallel", "virtual_stages", "pipeline_partition")
+
+
+def stage_directory(directory, stage):
+    """Where pipeline stage `stage` writes its optimizer state."""
+    return os.path.join(directory, PIPELINE_DIRECTORY, f"stage-{stage}")
+
+
+def stage_count(directory, step):
+    """P of the pipeline checkpoint at `step`, or None for one without stages."""
+    root = os.path.join(directory, PIPELINE_DIRECTORY)
+    if not os.path.isdir(root):
+        return None
+    count = sum(os.path.exists(os.path.join(root, name, f"ckpt-{int(step)}.index"))
+                for name in os.listdir(root) if name.startswith("stage-"))
+    return count or None
 
 
 def check_pipeline_run(config, options, family, model_config):
@@ -101,7 +124,7 @@ class PipelineCheckpointer:
                                   model=stage.model, step=step, rng=rng)
         # The first replica of each stage writes its state; every replica reads it.
         self.own = Checkpointer(
-            os.path.join(config.out, "pipeline", f"stage-{distribution.layout.stage}"),
+            stage_directory(config.out, distribution.layout.stage),
             distribution.layout.data_index == 0, keep=config.keep_checkpoints,
             optimizer=optimizer,
         )
@@ -117,18 +140,23 @@ class PipelineCheckpointer:
         # Every rank takes part in the broadcasts; the chief then holds the whole model.
         self.stage.broadcast_from_owners(self.distribution.broadcast_from_stage)
         self.own.save(step)
+        # A barrier: the chief's index names the step once every stage's state is on disk.
+        self.distribution.allreduce_mean(tf.constant(0.0))
         return self.whole.save(step)
 
     def restore_latest(self):
-        path = self.whole.restore_latest()
-        if path is None:
+        """Restores the newest checkpoint, which must be cut as this run; returns its path."""
+        from tfgpt.training.tensor_checkpoint import check_pipeline_cut, step_of
+
+        path = self.latest
+        if not path:
             return None
-        step = int(path.rsplit("-", 1)[1])
+        step = step_of(path)
+        check_pipeline_cut(self.whole.directory, path, self.distribution.options)
+        self.whole.checkpoint.restore(path).assert_existing_objects_matched()
         own = os.path.join(self.own.directory, f"ckpt-{step}")
         if not os.path.exists(own + ".index"):
-            raise ValueError(
-                f"{path} has no optimizer state for pipeline stage {self.distribution.layout.stage}"
-                f" ({own}): resume with the --pipeline-parallel and schedule it was saved with"
-            )
+            raise ValueError(f"{path} has no optimizer state for pipeline stage "
+                             f"{self.distribution.layout.stage} ({own})")
         self.own.checkpoint.restore(own).assert_existing_objects_matched()
         return path
