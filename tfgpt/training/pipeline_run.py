@@ -17,10 +17,9 @@ one into any pipeline layout.
 import os
 
 import numpy as np
-import tensorflow as tf
 
 from tfgpt.distributed.pipeline_partition import check_partition
-from tfgpt.training.checkpointing import Checkpointer
+from tfgpt.training.checkpointing import Checkpointer, CheckpointerWrapper
 
 PIPELINE_DIRECTORY = "pipeline"
 # The options that decide which variables each stage trains, and so what
@@ -103,7 +102,7 @@ def describe(stage):
     )
 
 
-class PipelineCheckpointer:
+class PipelineCheckpointer(CheckpointerWrapper):
     """The chief writes the whole model, step and dropout state; each stage its optimizer.
 
     Args:
@@ -112,16 +111,13 @@ class PipelineCheckpointer:
         stage: this rank's `PipelineStage`.
         optimizer, step, rng: the optimizer, the step variable and the
             dropout random states (`tfgpt.training.loop`).
-
-    Offers what `run_loop` and the trainer use of a `Checkpointer`:
-    `latest`, `save`, `restore_latest`, `write_run_files`.
     """
 
     def __init__(self, config, distribution, stage, optimizer, step, rng):
-        self.distribution = distribution
+        super().__init__(Checkpointer(config.out, distribution.is_chief,
+                                      keep=config.keep_checkpoints, model=stage.model, step=step,
+                                      rng=rng), distribution)
         self.stage = stage
-        self.whole = Checkpointer(config.out, distribution.is_chief, keep=config.keep_checkpoints,
-                                  model=stage.model, step=step, rng=rng)
         # The first replica of each stage writes its state; every replica reads it.
         self.own = Checkpointer(
             stage_directory(config.out, distribution.layout.stage),
@@ -129,20 +125,12 @@ class PipelineCheckpointer:
             optimizer=optimizer,
         )
 
-    @property
-    def latest(self):
-        return self.whole.latest
-
-    def write_run_files(self, config, tokenizer_path=None):
-        self.whole.write_run_files(config, tokenizer_path)
-
     def save(self, step):
         # Every rank takes part in the broadcasts; the chief then holds the whole model.
         self.stage.broadcast_from_owners(self.distribution.broadcast_from_stage)
         self.own.save(step)
-        # A barrier: the chief's index names the step once every stage's state is on disk.
-        self.distribution.allreduce_mean(tf.constant(0.0))
-        return self.whole.save(step)
+        self.barrier()  # every stage's state on disk
+        return self.checkpointer.save(step)
 
     def restore_latest(self):
         """Restores the newest checkpoint, which must be cut as this run; returns its path."""
@@ -152,8 +140,8 @@ class PipelineCheckpointer:
         if not path:
             return None
         step = step_of(path)
-        check_pipeline_cut(self.whole.directory, path, self.distribution.options)
-        self.whole.checkpoint.restore(path).assert_existing_objects_matched()
+        check_pipeline_cut(self.directory, path, self.distribution.options)
+        self.checkpointer.checkpoint.restore(path).assert_existing_objects_matched()
         own = os.path.join(self.own.directory, f"ckpt-{step}")
         if not os.path.exists(own + ".index"):
             raise ValueError(f"{path} has no optimizer state for pipeline stage "

@@ -48,7 +48,8 @@ from tfgpt.distributed.tensor_parallel import (
     TensorSlice, join_slices, slice_scope, split_rules, split_seed_states, take_slice,
 )
 from tfgpt.distributed.zero import slot_variables
-from tfgpt.training.checkpointing import CONFIG_FILE, Checkpointer, read_config
+from tfgpt.training.checkpointing import CONFIG_FILE, Checkpointer, CheckpointerWrapper
+from tfgpt.training.checkpointing import read_config
 from tfgpt.training.checkpointing import write_json_atomically
 from tfgpt.training.pipeline_run import PIPELINE_CUT, stage_count, stage_directory
 
@@ -149,7 +150,7 @@ def _trackables(model, optimizer):
     return dict(model=model, optimizer=optimizer, rng=seed_generator_states(model))
 
 
-class TensorParallelCheckpointer:
+class TensorParallelCheckpointer(CheckpointerWrapper):
     """Saves and restores a tensor-parallel run: slices first, the chief's index last.
 
     Args:
@@ -159,18 +160,9 @@ class TensorParallelCheckpointer:
     """
 
     def __init__(self, checkpointer, model, optimizer, distribution):
-        self.checkpointer = checkpointer
-        self.directory = checkpointer.directory
-        self.distribution = distribution
+        super().__init__(checkpointer, distribution)
         self.tensor_slice = distribution.tensor_slice
         self.slice_checkpoint = tf.train.Checkpoint(**_trackables(model, optimizer))
-
-    @property
-    def latest(self):
-        return self.checkpointer.latest
-
-    def write_run_files(self, config, tokenizer_path=None):
-        self.checkpointer.write_run_files(config, tokenizer_path)
 
     def save(self, step):
         """Every slice of the first data replica writes its part; then the chief's index."""
@@ -178,7 +170,7 @@ class TensorParallelCheckpointer:
             self.slice_checkpoint.write(
                 slice_prefix(self.directory, step, self.tensor_slice.index, self.tensor_slice.size)
             )
-        self.distribution.allreduce_mean(tf.constant(0.0))  # barrier: every slice on disk
+        self.barrier()  # every slice on disk
         path = self.checkpointer.save(step)
         if path:
             kept = {step_of(kept_path) for kept_path in self.checkpointer.manager.checkpoints}
