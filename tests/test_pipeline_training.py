@@ -173,6 +173,22 @@ def test_pipeline_run_resumes_as_uninterrupted_and_saves_an_ordinary_model(tiny_
     assert "logits (1, 3, 300)" in output
 
 
+@pytest.mark.parametrize("flags, message", [
+    ([], "split needs --tensor-parallel T or --pipeline-parallel P"),
+    (["--pipeline-parallel", "2", "--virtual-stages", "2"],
+     "--virtual-stages is for --pipeline-schedule interleaved"),
+    (["--pipeline-parallel", "2", "--tensor-parallel", "2"], "do not combine yet"),
+])
+def test_splitting_into_no_layout_or_a_wrong_one_is_one_error_line(capsys, flags, message):
+    from tfgpt.training import tensor_checkpoint
+
+    with pytest.raises(SystemExit) as exit_info:
+        tensor_checkpoint.main(["split", "RUN", "OUT", *flags])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert error.startswith("error: ") and error.count("\n") == 1 and message in error
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_a_pipeline_checkpoint_merged_and_split_resumes_on_other_layouts(tiny_data, tmp_path):

@@ -437,8 +437,11 @@ def main(argv=None):
         command.add_argument("run", help="the run directory (its latest checkpoint)")
         command.add_argument("out", help="the new run directory")
     defaults = HorovodOptions()
-    splitting.add_argument("--tensor-parallel", type=int, default=1, metavar="T")
-    splitting.add_argument("--pipeline-parallel", type=int, default=1, metavar="P")
+    splitting.add_argument("--tensor-parallel", type=int, default=1, metavar="T",
+                           help="slices, as train_hvd.py --tensor-parallel")
+    splitting.add_argument("--pipeline-parallel", type=int, default=1, metavar="P",
+                           help="stages, as train_hvd.py --pipeline-parallel; the next four "
+                                "flags as the run that resumes will give them")
     splitting.add_argument("--microbatches", type=int, default=defaults.microbatches)
     splitting.add_argument("--pipeline-schedule", default=defaults.pipeline_schedule)
     splitting.add_argument("--virtual-stages", type=int, default=defaults.virtual_stages)
