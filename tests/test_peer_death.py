@@ -1,11 +1,13 @@
-"""A rank that dies mid-run: the others exit with an error in bounded time, never hang.
+"""A rank that dies or hangs mid-run: the others exit with an error in bounded time.
 
 Rank 1 SIGKILLs itself as it starts step 3 (`tfgpt.training.faults`
 KILL_AT_STEP) in a pipeline-parallel and a tensor-parallel run. Under
 horovodrun, which ends the other ranks once one fails; and under
 `tfgpt.slurm_launcher`, which does not: there the survivor has to find
 out by itself (its next collective fails with "Horovod has been shut
-down": Gloo sees the dead peer's connection close).
+down": Gloo sees the dead peer's connection close). A rank that stops
+(SIGSTOP) instead keeps its connections open: the others' next transfer
+fails after Gloo's timeout, `HOROVOD_GLOO_TIMEOUT_SECONDS`.
 """
 
 import socket
@@ -63,3 +65,15 @@ def test_the_survivor_exits_by_itself_without_horovodrun(tiny_data, tmp_path, la
     (survivor, output), (killed, _) = results
     assert killed == 128 + 9
     assert survivor != 0 and "Horovod has been shut down" in output, output
+
+
+@pytest.mark.distributed
+def test_a_rank_that_hangs_ends_the_run_after_the_gloo_timeout(tiny_data, tmp_path):
+    begin = time.monotonic()
+    code, output = horovodrun(2, REPO / "train_hvd.py", *_flags(tiny_data, tmp_path, "pipeline"),
+                              env={faults.STOP_AT_STEP: "1:3", "HOROVOD_GLOO_TIMEOUT_SECONDS": "20"},
+                              timeout=BOUND_SECONDS)
+    assert time.monotonic() - begin < BOUND_SECONDS
+    assert code != 0
+    assert "Timed out waiting 20000ms" in output, output  # rank 0's transfer to the stopped rank
+    assert sorted(train_losses(tmp_path)) == [1, 2]
