@@ -25,8 +25,9 @@ LAYOUTS = {
 }
 # A run left hanging would take TIMEOUT_SECONDS (tests/launch.py) to be killed.
 BOUND_SECONDS = 120
-# Low, so that whatever waits on Gloo's own timeout (connecting to a peer) gives up fast.
-ENVIRONMENT = {faults.KILL_AT_STEP: "1:3", "HOROVOD_GLOO_TIMEOUT_SECONDS": "20"}
+# Gloo's timeout (30 s by default), low: a transfer to a stopped peer fails after it.
+GLOO_TIMEOUT = {"HOROVOD_GLOO_TIMEOUT_SECONDS": "20"}
+ENVIRONMENT = {**GLOO_TIMEOUT, faults.KILL_AT_STEP: "1:3"}
 
 
 def _flags(tiny_data, out, layout):
@@ -71,7 +72,7 @@ def test_the_survivor_exits_by_itself_without_horovodrun(tiny_data, tmp_path, la
 def test_a_rank_that_hangs_ends_the_run_after_the_gloo_timeout(tiny_data, tmp_path):
     begin = time.monotonic()
     code, output = horovodrun(2, REPO / "train_hvd.py", *_flags(tiny_data, tmp_path, "pipeline"),
-                              env={faults.STOP_AT_STEP: "1:3", "HOROVOD_GLOO_TIMEOUT_SECONDS": "20"},
+                              env={**GLOO_TIMEOUT, faults.STOP_AT_STEP: "1:3"},
                               timeout=BOUND_SECONDS)
     assert time.monotonic() - begin < BOUND_SECONDS
     assert code != 0

@@ -207,7 +207,7 @@ def test_a_pipeline_checkpoint_merged_and_split_resumes_on_other_layouts(tiny_da
     # Another layout refuses it, naming the tool.
     with pytest.raises(ValueError, match=r"written by --pipeline-parallel 2 --virtual-stages 1 "
                                          r"--pipeline-partition uniform; this run is whole: "
-                                         r"convert it first with .*tensor_checkpoint merge RUN OUT"):
+                                         r"convert it first with .*checkpoint merge RUN OUT"):
         Checkpointer(str(killed), True).restore_latest()
     interleaved = HorovodOptions(pipeline_parallel=2, microbatches=2,
                                  pipeline_schedule="interleaved", virtual_stages=2)

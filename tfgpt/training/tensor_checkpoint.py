@@ -114,7 +114,10 @@ def pipeline_cut(options):
 
 
 def _cut_flags(cut):
-    return " ".join(f"--{name.replace('_', '-')} {cut[name]}" for name in PIPELINE_CUT) if cut else ""
+    """The flags of a pipeline cut ("" for None)."""
+    if cut is None:
+        return ""
+    return " ".join(f"--{name.replace('_', '-')} {cut[name]}" for name in PIPELINE_CUT)
 
 
 def _saved_cut(directory, step):
