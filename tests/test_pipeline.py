@@ -126,7 +126,7 @@ def test_untied_balanced_and_awkward_microbatch_counts(tmp_path):
     # last stage).
     flags = ["--untied", "--layers", "3", "--partition", "balanced"]
     oracle = _train(tmp_path, "global", 0, *flags)[0]
-    for name, count in [("gpipe", "1"), ("1f1b", "1"), ("1f1b", "3")]:
+    for name, count in [("gpipe", "1"), ("1f1b", "1"), ("gpipe", "3"), ("1f1b", "3")]:
         results = _train(tmp_path, f"{name}-{count}", 2, "--schedule", name,
                          "--microbatches", count, *flags)
         _assert_same_training(results, oracle, f"{name} M={count}")

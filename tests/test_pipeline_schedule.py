@@ -119,3 +119,38 @@ def test_1f1b_holds_at_most_stages_microbatches_gpipe_all(stages, microbatches):
 def test_refusals(args, message):
     with pytest.raises(ValueError, match=message):
         PipelineSchedule(*args)
+
+
+@pytest.mark.parametrize("name, stages, microbatches, virtual", SIZES)
+def test_every_send_meets_its_receive_and_is_used_once(name, stages, microbatches, virtual):
+    # The executor's protocol, replayed without processes: every rank calls
+    # one exchange per tick with transfers (so all ranks call the same
+    # collectives in the same order), files what it receives, and each
+    # operation takes its input from what it received; nothing is left over.
+    schedule = PipelineSchedule(name, stages, microbatches, virtual)
+    assert all(len(row) == schedule.ticks for row in schedule.timetable)
+    received = [set() for _ in range(stages)]
+    for tick in range(schedule.ticks):
+        for rank in range(stages):
+            operation = schedule.timetable[rank][tick]
+            if operation is None:
+                continue
+            stage = schedule.virtual_stage(rank, operation.chunk)
+            needs = ((FORWARD, stage > 0) if operation.kind == FORWARD
+                     else (BACKWARD, stage < schedule.num_virtual_stages - 1))
+            if needs[1]:
+                key = (operation.kind, operation.microbatch, stage)
+                assert key in received[rank], (tick, rank, key)
+                received[rank].remove(key)
+            produced = stage + (1 if operation.kind == FORWARD else -1)
+            sent = [t for t in schedule.transfers[tick] if t.source == rank]
+            if 0 <= produced < schedule.num_virtual_stages:
+                assert [(t.kind, t.microbatch, t.virtual_stage) for t in sent] == [
+                    (operation.kind, operation.microbatch, produced)]
+            else:
+                assert sent == []  # the first stage's gradient, the last stage's loss
+        for transfer in schedule.transfers[tick]:
+            key = (transfer.kind, transfer.microbatch, transfer.virtual_stage)
+            assert key not in received[transfer.destination]
+            received[transfer.destination].add(key)
+    assert received == [set() for _ in range(stages)]

@@ -51,16 +51,18 @@ def test_pipeline_runs_refuse_what_they_do_not_do(config, family, message):
                        GPTConfig(num_layers=2))  # what fits passes
 
 
-def test_bad_pipeline_flags_are_one_error_line_before_tensorflow(capsys):
+@pytest.mark.parametrize("microbatches", ["1", "3"])  # M < P, M not divisible by P
+def test_bad_pipeline_flags_are_one_error_line_before_tensorflow(capsys, microbatches):
+    # (gpipe and 1f1b train at these M: tests/test_pipeline.py.)
     import train_hvd
 
     with pytest.raises(SystemExit) as exit_info:
-        train_hvd.main(["--data", "d", "--pipeline-parallel", "2", "--microbatches", "3",
+        train_hvd.main(["--data", "d", "--pipeline-parallel", "2", "--microbatches", microbatches,
                         "--pipeline-schedule", "interleaved", "--virtual-stages", "2"])
     assert exit_info.value.code == 2
     error = capsys.readouterr().err
     assert len([line for line in error.splitlines() if "error:" in line]) == 1
-    assert "microbatches=3, pipeline_parallel=2" in error
+    assert f"microbatches={microbatches}, pipeline_parallel=2" in error
 
 
 def test_train_mirrored_refuses_pipeline_flags_naming_train_hvd(capsys):
@@ -108,10 +110,12 @@ def test_pipeline_runs_lower_the_horovod_cycle_time_unless_it_is_set():
         assert "size=1, tensor_parallel=1, pipeline_parallel=2" in output
 
 
-def _train_hvd(workers, data, out, *flags):
-    return horovodrun(workers, REPO / "train_hvd.py", "--data", data, "--out", out,
-                      "--log-every", "1", "--eval-batches", "2", "--warmup-steps", "2",
-                      *TINY_MODEL, *flags)
+def _train_hvd(workers, data, out, *flags, env=None):
+    command = [REPO / "train_hvd.py", "--data", data, "--out", out, "--log-every", "1",
+               "--eval-batches", "2", "--warmup-steps", "2", *TINY_MODEL, *flags]
+    if workers == 1:
+        return run([sys.executable, *command], env=env)
+    return horovodrun(workers, *command, env=env)
 
 
 def _one_error_line_before_the_model(code, output, message):
@@ -167,3 +171,67 @@ def test_pipeline_run_resumes_as_uninterrupted_and_saves_an_ordinary_model(tiny_
         "print('logits', model(tf.constant([[1, 2, 3]])).shape)\n")])
     assert code == 0, output
     assert "logits (1, 3, 300)" in output
+
+
+@pytest.mark.parametrize("flags, message", [
+    ([], "split needs --tensor-parallel T or --pipeline-parallel P"),
+    (["--pipeline-parallel", "2", "--virtual-stages", "2"],
+     "--virtual-stages is for --pipeline-schedule interleaved"),
+    (["--pipeline-parallel", "2", "--tensor-parallel", "2"], "do not combine yet"),
+])
+def test_splitting_into_no_layout_or_a_wrong_one_is_one_error_line(capsys, flags, message):
+    from tfgpt.training import tensor_checkpoint
+
+    with pytest.raises(SystemExit) as exit_info:
+        tensor_checkpoint.main(["split", "RUN", "OUT", *flags])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert error.startswith("error: ") and error.count("\n") == 1 and message in error
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_pipeline_checkpoint_merged_and_split_resumes_on_other_layouts(tiny_data, tmp_path):
+    from tfgpt.training.checkpointing import Checkpointer
+    from tfgpt.training.tensor_checkpoint import check_pipeline_cut
+
+    common = ["--num-layers", "4", "--steps", "4", "--save-every", "2", "--dropout", "0.0"]
+    flags = [*common, *PIPELINE, "--pipeline-schedule", "1f1b"]
+    code, output = _train_hvd(2, tiny_data, tmp_path / "straight", *flags)
+    assert code == 0, output
+    killed = tmp_path / "killed"
+    code, output = _train_hvd(2, tiny_data, killed, *flags,
+                              env={"TFGPT_FAULT_KILL_AFTER_SAVE": "2"})
+    assert code != 0 and (killed / "ckpt-2.index").exists(), output
+
+    # Another layout refuses it, naming the tool.
+    with pytest.raises(ValueError, match=r"written by --pipeline-parallel 2 --virtual-stages 1 "
+                                         r"--pipeline-partition uniform; this run is whole: "
+                                         r"convert it first with .*checkpoint merge RUN OUT"):
+        Checkpointer(str(killed), True).restore_latest()
+    interleaved = HorovodOptions(pipeline_parallel=2, microbatches=2,
+                                 pipeline_schedule="interleaved", virtual_stages=2)
+    with pytest.raises(ValueError, match=r"merge RUN MERGED, then split MERGED OUT "
+                                         r"--pipeline-parallel 2 --virtual-stages 2"):
+        check_pipeline_cut(str(killed), str(killed / "ckpt-2"), interleaved)
+
+    # PP2 (1f1b, 2 blocks a stage) -> ordinary -> PP2 (interleaved, 1 block a chunk).
+    tool = [sys.executable, "-m", "tfgpt.training.tensor_checkpoint"]
+    code, output = run([*tool, "merge", killed, tmp_path / "merged"])
+    assert code == 0 and "ckpt-2" in output, output
+    code, output = run([*tool, "split", tmp_path / "merged", tmp_path / "split",
+                        "--pipeline-parallel", "2", "--microbatches", "2",
+                        "--pipeline-schedule", "interleaved", "--virtual-stages", "2"])
+    assert code == 0 and "ckpt-2" in output, output
+    code, output = _train_hvd(1, tiny_data, tmp_path / "merged", *common, "--batch-size", "4",
+                              "--resume")
+    assert code == 0 and "resumed from" in output and "next unseen batch" in output, output
+    code, output = _train_hvd(2, tiny_data, tmp_path / "split", *common, *PIPELINE,
+                              "--pipeline-schedule", "interleaved", "--virtual-stages", "2",
+                              "--resume")
+    assert code == 0 and "resumed from" in output, output
+    expected = train_losses(tmp_path / "straight")
+    for other in ("merged", "split"):
+        losses = train_losses(tmp_path / other)
+        for at_step in (3, 4):
+            assert losses[at_step] == pytest.approx(expected[at_step], abs=1e-5), (other, at_step)

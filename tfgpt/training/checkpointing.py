@@ -100,11 +100,9 @@ class Checkpointer:
         if not path:
             return None
         from tfgpt.training.sharded_checkpoint import is_sharded
-        from tfgpt.training.tensor_checkpoint import slice_count, split_elsewhere_error, step_of
+        from tfgpt.training.tensor_checkpoint import check_whole
 
-        slices = slice_count(self.directory, step_of(path))
-        if slices is not None:
-            raise split_elsewhere_error(path, slices, None)
+        check_whole(self.directory, path)
         if is_sharded(path):
             if self.restore_sharded is None:
                 raise ValueError(f"{path} was written by a --zero-stage run: its weights are in shards")
@@ -112,3 +110,39 @@ class Checkpointer:
         else:
             self.checkpoint.restore(path).assert_existing_objects_matched()
         return path
+
+
+class CheckpointerWrapper:
+    """A distributed run's checkpoints: the chief's `Checkpointer` and each rank's parts.
+
+    The chief's checkpoint holds the step and its index names the step
+    last, so a checkpoint is complete once `latest` names it. Subclasses
+    write `save(step)` (the ranks' parts, `barrier()`, then the chief's)
+    and `restore_latest()`; `latest` and `write_run_files` are the chief's.
+
+    Args:
+        checkpointer: the chief's `Checkpointer` in the run directory.
+        distribution: the run's `HorovodDistribution`.
+    """
+
+    def __init__(self, checkpointer, distribution):
+        self.checkpointer = checkpointer
+        self.directory = checkpointer.directory
+        self.distribution = distribution
+
+    @property
+    def latest(self):
+        return self.checkpointer.latest
+
+    def write_run_files(self, config, tokenizer_path=None):
+        self.checkpointer.write_run_files(config, tokenizer_path)
+
+    def barrier(self):
+        """Returns once every rank has called it (all their parts are on disk)."""
+        self.distribution.allreduce_mean(tf.constant(0.0))
+
+    def save(self, step):
+        raise NotImplementedError
+
+    def restore_latest(self):
+        raise NotImplementedError

@@ -11,6 +11,9 @@
   as it starts step STEP (a worker lost mid-run; `starting_step`), unless
   its process started that step before: an elastic run's survivor that
   became RANK redoes the step and lives.
+- `STOP_AT_STEP` = "RANK:STEP": the worker of that rank stops itself
+  (SIGSTOP) as it starts step STEP: a peer that hangs without dying
+  (`starting_step`).
 - `RECORD_LOG` = "DIR": each worker of an elastic run appends one line per
   step to DIR/records-PID.txt: the formation, the step, the world size,
   its rank and `fingerprint` of each sequence of its batch
@@ -32,6 +35,7 @@ KILL_AFTER_SAVE = "TFGPT_FAULT_KILL_AFTER_SAVE"
 SLOW_COMPUTE = "TFGPT_FAULT_SLOW_COMPUTE"
 GROW_MIB = "TFGPT_FAULT_GROW_MIB"
 KILL_AT_STEP = "TFGPT_FAULT_KILL_AT_STEP"
+STOP_AT_STEP = "TFGPT_FAULT_STOP_AT_STEP"
 RECORD_LOG = "TFGPT_DEBUG_RECORD_LOG"
 
 
@@ -45,9 +49,11 @@ _started_steps = set()
 
 
 def starting_step(rank, step):
-    """Called as each step starts: dies as `KILL_AT_STEP` says."""
+    """Called as each step starts: dies as `KILL_AT_STEP` says, stops as `STOP_AT_STEP` does."""
     if for_rank(KILL_AT_STEP, rank) == step and step not in _started_steps:
         os.kill(os.getpid(), signal.SIGKILL)
+    if for_rank(STOP_AT_STEP, rank) == step:
+        os.kill(os.getpid(), signal.SIGSTOP)
     _started_steps.add(step)
 
 

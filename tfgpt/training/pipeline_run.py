@@ -12,6 +12,9 @@ optimizer state beside it, in `OUT/pipeline/stage-S` (the first
 data-parallel replica of each stage writes it; under `--zero-stage 1`
 every rank writes its shards and their optimizer state, in
 `OUT/pipeline/stage-S/replica-D-of-N`, and resumes on the same layout).
+`tfgpt.training.
+tensor_checkpoint` merges these into an ordinary checkpoint and splits
+one into any pipeline layout.
 """
 
 import os
@@ -19,7 +22,34 @@ import os
 import numpy as np
 
 from tfgpt.distributed.pipeline_partition import check_partition
-from tfgpt.training.checkpointing import Checkpointer
+from tfgpt.training.checkpointing import Checkpointer, CheckpointerWrapper
+
+PIPELINE_DIRECTORY = "pipeline"
+# The options that decide which variables each stage trains, and so what
+# its optimizer state holds (the schedule and --microbatches do not).
+PIPELINE_CUT = ("pipeline_parallel", "virtual_stages", "pipeline_partition")
+
+
+def stage_directory(directory, stage):
+    """Where pipeline stage `stage` writes its optimizer state."""
+    return os.path.join(directory, PIPELINE_DIRECTORY, f"stage-{stage}")
+
+
+def stage_count(directory, step):
+    """P of the pipeline checkpoint at `step`, or None for one without stages."""
+    root = os.path.join(directory, PIPELINE_DIRECTORY)
+    if not os.path.isdir(root):
+        return None
+    index = f"ckpt-{int(step)}.index"
+
+    def written(stage):  # by its first replica, or (--zero-stage 1) by each replica
+        return os.path.exists(os.path.join(stage, index)) or any(
+            name.startswith("replica-") and os.path.exists(os.path.join(stage, name, index))
+            for name in os.listdir(stage))
+
+    count = sum(written(os.path.join(root, name)) for name in os.listdir(root)
+                if name.startswith("stage-") and os.path.isdir(os.path.join(root, name)))
+    return count or None
 
 
 def check_pipeline_run(config, options, family, model_config):
@@ -124,7 +154,7 @@ def _rank_state(stage, layout, rank):
     )
 
 
-class PipelineCheckpointer:
+class PipelineCheckpointer(CheckpointerWrapper):
     """The chief writes the whole model, step and dropout state; each stage its optimizer.
 
     Args:
@@ -134,19 +164,16 @@ class PipelineCheckpointer:
         optimizer, step, rng: the optimizer, the step variable and the
             dropout random states (`tfgpt.training.loop`).
         zero: the stage's `ZeroSharding`, or None.
-
-    Offers what `run_loop` and the trainer use of a `Checkpointer`:
-    `latest`, `save`, `restore_latest`, `write_run_files`.
     """
 
     def __init__(self, config, distribution, stage, optimizer, step, rng, zero=None):
-        self.distribution = distribution
+        super().__init__(Checkpointer(config.out, distribution.is_chief,
+                                      keep=config.keep_checkpoints, model=stage.model, step=step,
+                                      rng=rng), distribution)
         self.stage = stage
-        self.whole = Checkpointer(config.out, distribution.is_chief, keep=config.keep_checkpoints,
-                                  model=stage.model, step=step, rng=rng)
         # The first replica of each stage writes its state; every replica reads it.
         layout = distribution.layout
-        own = os.path.join(config.out, "pipeline", f"stage-{layout.stage}")
+        own = stage_directory(config.out, layout.stage)
         if zero is None:
             self.own = Checkpointer(own, layout.data_index == 0, keep=config.keep_checkpoints,
                                     optimizer=optimizer)
@@ -157,24 +184,23 @@ class PipelineCheckpointer:
                 shards=[shard.value for shard in zero.shards],
             )
 
-    @property
-    def latest(self):
-        return self.whole.latest
-
-    def write_run_files(self, config, tokenizer_path=None):
-        self.whole.write_run_files(config, tokenizer_path)
-
     def save(self, step):
         # Every rank takes part in the broadcasts; the chief then holds the whole model.
         self.stage.broadcast_from_owners(self.distribution.broadcast_from_stage)
         self.own.save(step)
-        return self.whole.save(step)
+        self.barrier()  # every stage's state on disk
+        return self.checkpointer.save(step)
 
     def restore_latest(self):
-        path = self.whole.restore_latest()
-        if path is None:
+        """Restores the newest checkpoint, which must be cut as this run; returns its path."""
+        from tfgpt.training.tensor_checkpoint import check_pipeline_cut, step_of
+
+        path = self.latest
+        if not path:
             return None
-        step = int(path.rsplit("-", 1)[1])
+        step = step_of(path)
+        check_pipeline_cut(self.directory, path, self.distribution.options)
+        self.checkpointer.checkpoint.restore(path).assert_existing_objects_matched()
         own = os.path.join(self.own.directory, f"ckpt-{step}")
         if not os.path.exists(own + ".index"):
             raise ValueError(

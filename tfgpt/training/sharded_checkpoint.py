@@ -32,7 +32,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfgpt.distributed.zero import SLOTS, shard_rows, slot_variables
-from tfgpt.training.checkpointing import write_json_atomically
+from tfgpt.training.checkpointing import CheckpointerWrapper, write_json_atomically
 
 SHARDS_DIRECTORY = "zero"
 LAYOUT_FILE = "layout.json"
@@ -158,7 +158,7 @@ class ShardReader:
             archive.close()
 
 
-class ShardedCheckpointer:
+class ShardedCheckpointer(CheckpointerWrapper):
     """Saves and restores a ZeRO run: the chief's `ckpt-S` and every rank's shards.
 
     Args:
@@ -173,26 +173,14 @@ class ShardedCheckpointer:
     """
 
     def __init__(self, checkpointer, zero, distribution):
-        self.checkpointer = checkpointer
-        self.directory = checkpointer.directory
+        super().__init__(checkpointer, distribution)
         self.is_chief = checkpointer.is_chief
         self.zero = zero
-        self.distribution = distribution
         # One id for the run, the same on every rank (rank 0's), kept on resume.
         hvd = distribution._hvd
         self.run_id = "%016x" % int(
             hvd.broadcast(tf.constant(secrets.randbits(62), tf.int64), root_rank=0).numpy()
         )
-
-    @property
-    def latest(self):
-        return self.checkpointer.latest
-
-    def write_run_files(self, config, tokenizer_path=None):
-        self.checkpointer.write_run_files(config, tokenizer_path)
-
-    def _barrier(self):
-        self.distribution.allreduce_mean(tf.constant(0.0))
 
     def save(self, step):
         step = int(step)
@@ -208,7 +196,7 @@ class ShardedCheckpointer:
                     yield f"{name}/{index}", slots[index].numpy()
 
         _write_npz(shard_file(self.directory, step, zero.rank, zero.size), entries())
-        self._barrier()  # every rank's shards are on disk before the chief's index names them
+        self.barrier()  # every rank's shards are on disk before the chief's index names them
         if self.is_chief:
             write_json_atomically(
                 os.path.join(shard_directory(self.directory, step), LAYOUT_FILE),

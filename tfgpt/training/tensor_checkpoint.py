@@ -1,4 +1,4 @@
-"""Tensor-parallel checkpoints: each slice writes its part; merged into or split from whole ones.
+"""Tensor- and pipeline-parallel checkpoints: merged into and split from whole ones.
 
 A checkpoint of a `--tensor-parallel T` run at step S is, in the run
 directory:
@@ -15,18 +15,29 @@ directory:
   every slice is on disk, so a run killed mid-save resumes from the
   previous complete checkpoint.
 
+A `--pipeline-parallel P` run's checkpoint is the chief's whole model,
+step and dropout states in `ckpt-S.*`, and each stage's optimizer state
+(the moments of the variables it trains) in `pipeline/stage-R/ckpt-S.*`
+(`tfgpt.training.pipeline_run`). Which variables a stage trains follows
+from `PIPELINE_CUT` (P, --virtual-stages, --pipeline-partition), read from
+the run's config.json.
+
 `merge` turns such a directory into an ordinary (single-worker)
-checkpoint, and `split` an ordinary one into any T, so a model trained
-on one layout resumes or is fine-tuned on another; `restore_whole` reads
-the slices straight into a whole model (`tfgpt.loading`, so generate,
-export and convert read tensor-parallel runs as they are). Joining and
-cutting follow each variable's split rule
-(`tfgpt.distributed.tensor_parallel.take_slice`). A run with
-`--pipeline-parallel` as well merges into a pipeline run's checkpoint
-(`tfgpt.training.tensor_pipeline_checkpoint`).
+checkpoint, and `split` an ordinary one into any T or any pipeline
+layout, so a model trained on one layout resumes or is fine-tuned on
+another (merge, then split); `restore_whole` reads the slices straight
+into a whole model (`tfgpt.loading`, so generate, export and convert read
+tensor-parallel runs as they are). Joining and cutting follow each
+variable's split rule (`tfgpt.distributed.tensor_parallel.take_slice`);
+a stage's moments are the whole optimizer's of its variables.
+A run with `--tensor-parallel` and `--pipeline-parallel` merges into a
+pipeline run's checkpoint (`tfgpt.training.tensor_pipeline_checkpoint`),
+which merges again into an ordinary one.
 
     python -m tfgpt.training.tensor_checkpoint merge RUN OUT
     python -m tfgpt.training.tensor_checkpoint split RUN OUT --tensor-parallel 2
+    python -m tfgpt.training.tensor_checkpoint split RUN OUT --pipeline-parallel 2 \\
+        --pipeline-schedule interleaved --virtual-stages 2 --microbatches 4
 """
 
 import argparse
@@ -38,13 +49,16 @@ import tensorflow as tf
 
 from tfgpt.cli import HelpFormatter
 from tfgpt.config import FAMILIES
+from tfgpt.config.distribution import HorovodOptions
 from tfgpt.config.training import TrainConfig
 from tfgpt.distributed.tensor_parallel import (
     TensorSlice, join_slices, slice_scope, split_rules, split_seed_states, take_slice,
 )
 from tfgpt.distributed.zero import slot_variables
-from tfgpt.training.checkpointing import CONFIG_FILE, Checkpointer, read_config
+from tfgpt.training.checkpointing import CONFIG_FILE, Checkpointer, CheckpointerWrapper
+from tfgpt.training.checkpointing import read_config
 from tfgpt.training.checkpointing import write_json_atomically
+from tfgpt.training.pipeline_run import PIPELINE_CUT, stage_count, stage_directory
 
 SLICES_DIRECTORY = "tensor"
 
@@ -78,16 +92,72 @@ def zero_written(directory, step):
     return any("-replica-" in name for name in os.listdir(slices_directory(directory, step)))
 
 
-def split_elsewhere_error(path, found, wanted):
-    """The error for a checkpoint of another layout than this run's."""
-    what = {None: "a whole model (no --tensor-parallel)"}.get(found, f"--tensor-parallel {found}")
-    command = ("merge RUN OUT" if wanted in (None, 1)
-               else f"split RUN OUT --tensor-parallel {wanted}")
+def layout_error(path, found, wanted):
+    """The error for a checkpoint of another layout than this run's.
+
+    `found` and `wanted` are the layouts' flags ("" for a whole model).
+    """
+    if found and wanted:
+        command = f"merge RUN MERGED, then split MERGED OUT {wanted}"
+    else:
+        command = f"split RUN OUT {wanted}" if wanted else "merge RUN OUT"
     return ValueError(
-        f"{path} was written by {what}; this run is "
-        + ("whole" if wanted in (None, 1) else f"--tensor-parallel {wanted}")
-        + f": convert it first with python -m tfgpt.training.tensor_checkpoint {command}"
+        f"{path} was written by {found or 'a whole model'}; this run is {wanted or 'whole'}: "
+        f"convert it first with python -m tfgpt.training.tensor_checkpoint {command}"
     )
+
+
+def split_elsewhere_error(path, found, wanted):
+    """`layout_error` between tensor-parallel sizes (None or 1: whole)."""
+    def flags(size):
+        return f"--tensor-parallel {size}" if size not in (None, 1) else ""
+
+    return layout_error(path, flags(found), flags(wanted))
+
+
+def pipeline_cut(options):
+    """`{option: value}` of `PIPELINE_CUT` in `options` (a `HorovodOptions` or a
+    run record's `train`); None without a pipeline."""
+    if isinstance(options, dict):  # HorovodOptions' defaults for a record without them
+        defaults = {field.name: field.default for field in dataclasses.fields(HorovodOptions)}
+        cut = {name: options.get(name, defaults[name]) for name in PIPELINE_CUT}
+    else:
+        cut = {name: getattr(options, name) for name in PIPELINE_CUT}
+    return cut if cut["pipeline_parallel"] > 1 else None
+
+
+def _cut_flags(cut):
+    """The flags of a pipeline cut ("" for None)."""
+    if cut is None:
+        return ""
+    return " ".join(f"--{name.replace('_', '-')} {cut[name]}" for name in PIPELINE_CUT)
+
+
+def _saved_cut(directory, step):
+    """The pipeline cut of `directory`'s checkpoint at `step`, or None."""
+    if stage_count(directory, step) is None:
+        return None
+    return pipeline_cut(read_config(directory)["train"])
+
+
+def check_whole(directory, path):
+    """Raises `layout_error` unless `path` is an ordinary checkpoint (or a ZeRO one)."""
+    slices = slice_count(directory, step_of(path))
+    if slices is not None:
+        raise split_elsewhere_error(path, slices, None)
+    cut = _saved_cut(directory, step_of(path))
+    if cut is not None:
+        raise layout_error(path, _cut_flags(cut), "")
+
+
+def check_pipeline_cut(directory, path, options):
+    """Raises `layout_error` unless `path` was cut into stages as `options` cut this run."""
+    step = step_of(path)
+    slices = slice_count(directory, step)
+    saved, wanted = _saved_cut(directory, step), pipeline_cut(options)
+    if slices is not None or saved != wanted:
+        found = f"--tensor-parallel {slices}" if slices is not None else _cut_flags(saved)
+        raise layout_error(path, found, _cut_flags(wanted))
 
 
 def _trackables(model, optimizer):
@@ -105,7 +175,7 @@ def remove_unkept_slices(checkpointer):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
-class TensorParallelCheckpointer:
+class TensorParallelCheckpointer(CheckpointerWrapper):
     """Saves and restores a tensor-parallel run: slices first, the chief's index last.
 
     Args:
@@ -116,9 +186,7 @@ class TensorParallelCheckpointer:
     """
 
     def __init__(self, checkpointer, model, optimizer, distribution, zero=None):
-        self.checkpointer = checkpointer
-        self.directory = checkpointer.directory
-        self.distribution = distribution
+        super().__init__(checkpointer, distribution)
         self.tensor_slice = distribution.tensor_slice
         trackables = _trackables(model, optimizer)
         self.shard_checkpoint = None
@@ -133,13 +201,6 @@ class TensorParallelCheckpointer:
         return (slice_prefix(self.directory, step, self.tensor_slice.index, size)
                 + f"-replica-{layout.data_index}-of-{layout.data}")
 
-    @property
-    def latest(self):
-        return self.checkpointer.latest
-
-    def write_run_files(self, config, tokenizer_path=None):
-        self.checkpointer.write_run_files(config, tokenizer_path)
-
     def save(self, step):
         """Every slice of the first data replica writes its part; then the chief's index."""
         if self.distribution.data_shard()[0] == 0:
@@ -148,7 +209,7 @@ class TensorParallelCheckpointer:
             )
         if self.shard_checkpoint is not None:
             self.shard_checkpoint.write(self._shard_prefix(step, self.tensor_slice.size))
-        self.distribution.allreduce_mean(tf.constant(0.0))  # barrier: every slice on disk
+        self.barrier()  # every slice on disk
         path = self.checkpointer.save(step)
         if path:
             remove_unkept_slices(self.checkpointer)
@@ -289,60 +350,140 @@ def _copy_run_files(source, target, record):
             shutil.copyfile(path, os.path.join(target, name))
 
 
+def _pipeline_stages(model, cut, sequence_length, train_config):
+    """`[(stage, optimizer)]` of the pipeline `cut` of the whole `model`, each
+    optimizer built on its stage's variables, as the run's ranks build theirs."""
+    from tfgpt.distributed.pipeline_schedule import PipelineSchedule
+    from tfgpt.distributed.pipeline_stage import PipelineStage
+    from tfgpt.training.optimizers import make_optimizer
+
+    stages, chunks = cut["pipeline_parallel"], cut["virtual_stages"]
+    # A rank's blocks do not depend on the schedule or the micro-batches.
+    schedule = PipelineSchedule("interleaved" if chunks > 1 else "1f1b", stages, stages, chunks)
+    built = []
+    for rank in range(stages):
+        stage = PipelineStage(model, schedule, rank, partition=cut["pipeline_partition"],
+                              sequence_length=sequence_length)
+        optimizer = make_optimizer(train_config, 1)
+        optimizer.build(stage.trainable_variables)
+        built.append((stage, optimizer))
+    return built
+
+
+def _copy_optimizer_state(source, source_variables, target, target_variables):
+    """Gives `target` the moments `source` holds of the variables both
+    optimize, and `source`'s other variables (the step count)."""
+    from tfgpt.training.sharded_checkpoint import replicated_optimizer_variables
+
+    position = {id(v): index for index, v in enumerate(source_variables)}
+    source_slots = slot_variables(source)
+    for name, moments in slot_variables(target).items():
+        for moment, variable in zip(moments, target_variables):
+            if id(variable) in position:
+                moment.assign(source_slots[name][position[id(variable)]])
+    for mine, theirs in zip(replicated_optimizer_variables(target),
+                            replicated_optimizer_variables(source)):
+        mine.assign(theirs)
+
+
+def _stage_prefix(directory, rank, step):
+    return os.path.join(stage_directory(directory, rank), f"ckpt-{int(step)}")
+
+
 def merge(directory, out):
-    """Writes `directory`'s latest tensor-parallel checkpoint as an ordinary one in `out`.
+    """Writes `directory`'s latest tensor- or pipeline-parallel checkpoint as an
+    ordinary one in `out`.
 
     Returns the written checkpoint's path.
     """
+    from tfgpt.training.loop import seed_generator_states
+
     record, family, model_config, train_config = _run_configs(directory)
     path = tf.train.latest_checkpoint(directory)
     step = step_of(path)
-    size = slice_count(directory, step)
-    if size is None:
+    size, cut = slice_count(directory, step), _saved_cut(directory, step)
+    if size is None and cut is None:
         raise ValueError(f"{path} is an ordinary checkpoint already: nothing to merge")
-    if zero_written(directory, step):
+    if size is not None and zero_written(directory, step):
         raise ValueError(f"{path} was written with --zero-stage 1: its optimizer moments are "
                          "shards, which merge does not join; resume it on the same layout")
-    if record["train"].get("pipeline_parallel", 1) > 1:
+    if cut is not None and any("replica-" in name for name in os.listdir(
+            os.path.dirname(_stage_prefix(directory, 0, step)))):
+        raise ValueError(f"{path} was written with --zero-stage 1: its stages' optimizer "
+                         "moments are shards, which merge does not join; resume it on the same "
+                         "layout")
+    if size is not None and record["train"].get("pipeline_parallel", 1) > 1:
         # Into a pipeline run's checkpoint of the same stages (its optimizer is per stage).
         from tfgpt.training import tensor_pipeline_checkpoint
 
         _copy_run_files(directory, out, dict(record, train=dict(record["train"], tensor_parallel=1)))
         return tensor_pipeline_checkpoint.merge(directory, out, record, family, model_config,
                                                 train_config)
-    # Slice 0's dropout states are the whole model's (the others' split
-    # dropouts are offset from them).
-    slices = _slices(directory, step, size, family, model_config, train_config)
     model, optimizer = _build(family, model_config, train_config)
-    _join_into(_pairs(model, optimizer), [_pairs(m, o) for m, o in slices])
-    record["train"]["tensor_parallel"] = 1
+    if size is not None:
+        # Slice 0's dropout states are the whole model's (the others' split
+        # dropouts are offset from them).
+        slices = _slices(directory, step, size, family, model_config, train_config)
+        _join_into(_pairs(model, optimizer), [_pairs(m, o) for m, o in slices])
+        record["train"]["tensor_parallel"] = 1
+    else:
+        # The chief's checkpoint has the whole model; each stage the moments of its part.
+        tf.train.Checkpoint(model=model, rng=seed_generator_states(model)).read(
+            path).assert_existing_objects_matched().expect_partial()  # (the step: below)
+        stages = _pipeline_stages(model, cut, record["data"]["seq_len"], train_config)
+        for rank, (stage, stage_optimizer) in enumerate(stages):
+            tf.train.Checkpoint(optimizer=stage_optimizer).read(
+                _stage_prefix(directory, rank, step)).assert_existing_objects_matched(
+                ).expect_partial()  # the manager's save counter
+            _copy_optimizer_state(stage_optimizer, stage.trainable_variables,
+                                  optimizer, model.trainable_variables)
+        record["train"].update(pipeline_parallel=1, microbatches=1, virtual_stages=1)
     _copy_run_files(directory, out, record)
-    from tfgpt.training.loop import seed_generator_states
-
     step_variable = tf.Variable(step, dtype=tf.int64)
     return Checkpointer(out, True, model=model, optimizer=optimizer, step=step_variable,
                         rng=seed_generator_states(model)).save(step)
 
 
-def split(directory, out, size):
-    """Writes `directory`'s latest ordinary checkpoint as `size` slices in `out`.
+def split(directory, out, size=1, pipeline=None):
+    """Writes `directory`'s latest ordinary checkpoint as `size` slices in
+    `out`, or cut into the stages of `pipeline` (`HorovodOptions`: its
+    `PIPELINE_CUT`, and the schedule and micro-batches written to the
+    config).
 
     Returns the written checkpoint's path.
     """
     record, family, model_config, train_config = _run_configs(directory)
     path = tf.train.latest_checkpoint(directory)
     step = step_of(path)
-    if slice_count(directory, step) is not None:
-        raise split_elsewhere_error(path, slice_count(directory, step), None)
+    check_whole(directory, path)
     from tfgpt.distributed.tensor_parallel import check_run
     from tfgpt.training.loop import seed_generator_states
 
-    check_run(size, family, model_config, train_config)
+    if pipeline is not None:
+        from tfgpt.distributed.pipeline_partition import check_partition
+
+        check_partition(model_config.num_layers,
+                        pipeline.pipeline_parallel * pipeline.virtual_stages)
+    else:
+        check_run(size, family, model_config, train_config)
     model, optimizer = _build(family, model_config, train_config)
     step_variable = tf.Variable(0, dtype=tf.int64)
     tf.train.Checkpoint(model=model, optimizer=optimizer, step=step_variable,
                         rng=seed_generator_states(model)).read(path).assert_existing_objects_matched(
                         ).expect_partial()  # the manager's save counter
+    if pipeline is not None:
+        stages = _pipeline_stages(model, pipeline_cut(pipeline), record["data"]["seq_len"],
+                                  train_config)
+        for rank, (stage, stage_optimizer) in enumerate(stages):
+            _copy_optimizer_state(optimizer, model.trainable_variables,
+                                  stage_optimizer, stage.trainable_variables)
+            Checkpointer(stage_directory(out, rank), True, optimizer=stage_optimizer).save(step)
+        record["train"].update({name: getattr(pipeline, name) for name in (
+            *PIPELINE_CUT, "pipeline_schedule", "microbatches")})
+        _copy_run_files(directory, out, record)
+        # The chief's checkpoint last: its index names the step once the stages are on disk.
+        return Checkpointer(out, True, model=model, step=step_variable,
+                            rng=seed_generator_states(model)).save(step)
     whole_pairs = _pairs(model, optimizer)
     for index in range(size):
         tensor_slice = TensorSlice(None, None, size, index)
@@ -364,18 +505,37 @@ def main(argv=None):
         formatter_class=HelpFormatter,
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    merging = commands.add_parser("merge", help="tensor-parallel run -> ordinary checkpoint")
-    splitting = commands.add_parser("split", help="ordinary run -> --tensor-parallel T slices")
+    merging = commands.add_parser(
+        "merge", help="tensor- or pipeline-parallel run -> ordinary checkpoint")
+    splitting = commands.add_parser(
+        "split", help="ordinary run -> --tensor-parallel T slices or --pipeline-parallel P stages")
     for command in (merging, splitting):
         command.add_argument("run", help="the run directory (its latest checkpoint)")
         command.add_argument("out", help="the new run directory")
-    splitting.add_argument("--tensor-parallel", type=int, required=True, metavar="T")
+    defaults = HorovodOptions()
+    splitting.add_argument("--tensor-parallel", type=int, default=1, metavar="T",
+                           help="slices, as train_hvd.py --tensor-parallel")
+    splitting.add_argument("--pipeline-parallel", type=int, default=1, metavar="P",
+                           help="stages, as train_hvd.py --pipeline-parallel; the next four "
+                                "flags as the run that resumes will give them")
+    splitting.add_argument("--microbatches", type=int, default=defaults.microbatches)
+    splitting.add_argument("--pipeline-schedule", default=defaults.pipeline_schedule)
+    splitting.add_argument("--virtual-stages", type=int, default=defaults.virtual_stages)
+    splitting.add_argument("--pipeline-partition", default=defaults.pipeline_partition)
     args = parser.parse_args(argv)
     try:
         if args.command == "merge":
             path = merge(args.run, args.out)
         else:
-            path = split(args.run, args.out, args.tensor_parallel)
+            options = HorovodOptions(
+                tensor_parallel=args.tensor_parallel, pipeline_parallel=args.pipeline_parallel,
+                microbatches=args.microbatches, pipeline_schedule=args.pipeline_schedule,
+                virtual_stages=args.virtual_stages, pipeline_partition=args.pipeline_partition)
+            if options.tensor_parallel == options.pipeline_parallel == 1:
+                raise ValueError("split needs --tensor-parallel T or --pipeline-parallel P "
+                                 "(above 1): the layout to cut the checkpoint into")
+            path = split(args.run, args.out, options.tensor_parallel,
+                         options if options.pipeline_parallel > 1 else None)
     except (ValueError, FileNotFoundError) as error:
         parser.exit(2, f"error: {error}\n")
     print(f"wrote {path}")

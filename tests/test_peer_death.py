@@ -1,0 +1,80 @@
+"""A rank that dies or hangs mid-run: the others exit with an error in bounded time.
+
+Rank 1 SIGKILLs itself as it starts step 3 (`tfgpt.training.faults`
+KILL_AT_STEP) in a pipeline-parallel and a tensor-parallel run. Under
+horovodrun, which ends the other ranks once one fails; and under
+`tfgpt.slurm_launcher`, which does not: there the survivor has to find
+out by itself (its next collective fails with "Horovod has been shut
+down": Gloo sees the dead peer's connection close). A rank that stops
+(SIGSTOP) instead keeps its connections open: the others' next transfer
+fails after Gloo's timeout, `HOROVOD_GLOO_TIMEOUT_SECONDS`.
+"""
+
+import socket
+import sys
+import time
+
+import pytest
+
+from tests.launch import REPO, horovodrun, processes, train_losses
+from tfgpt.training import faults
+
+LAYOUTS = {
+    "pipeline": ["--pipeline-parallel", "2", "--microbatches", "2", "--num-layers", "3"],
+    "tensor": ["--tensor-parallel", "2", "--num-layers", "2"],
+}
+# A run left hanging would take TIMEOUT_SECONDS (tests/launch.py) to be killed.
+BOUND_SECONDS = 120
+# Gloo's timeout (30 s by default), low: a transfer to a stopped peer fails after it.
+GLOO_TIMEOUT = {"HOROVOD_GLOO_TIMEOUT_SECONDS": "20"}
+ENVIRONMENT = {**GLOO_TIMEOUT, faults.KILL_AT_STEP: "1:3"}
+
+
+def _flags(tiny_data, out, layout):
+    return ["--data", tiny_data, "--out", out, "--steps", "8", "--batch-size", "4",
+            "--log-every", "1", "--eval-batches", "1", "--num-heads", "2", "--hidden-dim", "32",
+            "--intermediate-dim", "48", "--max-sequence-length", "16", *LAYOUTS[layout]]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_horovodrun_ends_with_an_error_when_a_rank_is_killed(tiny_data, tmp_path, layout):
+    begin = time.monotonic()
+    code, output = horovodrun(2, REPO / "train_hvd.py", *_flags(tiny_data, tmp_path, layout),
+                              env=ENVIRONMENT, timeout=BOUND_SECONDS)
+    assert time.monotonic() - begin < BOUND_SECONDS
+    assert code != 0
+    assert "Process 1 exit with status code 137" in output, output  # the SIGKILL
+    assert sorted(train_losses(tmp_path)) == [1, 2]  # trained until the kill
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_the_survivor_exits_by_itself_without_horovodrun(tiny_data, tmp_path, layout):
+    port = socket.socket()
+    port.bind(("", 0))
+    free_port = port.getsockname()[1]
+    port.close()
+    begin = time.monotonic()
+    results = processes([
+        ([sys.executable, "-m", "tfgpt.slurm_launcher", "--hosts", "localhost:2", "--rank",
+          rank, "--port", free_port, "--", sys.executable, REPO / "train_hvd.py",
+          *_flags(tiny_data, tmp_path, layout)], ENVIRONMENT)
+        for rank in (0, 1)
+    ], timeout=BOUND_SECONDS)
+    assert time.monotonic() - begin < BOUND_SECONDS
+    (survivor, output), (killed, _) = results
+    assert killed == 128 + 9
+    assert survivor != 0 and "Horovod has been shut down" in output, output
+
+
+@pytest.mark.distributed
+def test_a_rank_that_hangs_ends_the_run_after_the_gloo_timeout(tiny_data, tmp_path):
+    begin = time.monotonic()
+    code, output = horovodrun(2, REPO / "train_hvd.py", *_flags(tiny_data, tmp_path, "pipeline"),
+                              env={**GLOO_TIMEOUT, faults.STOP_AT_STEP: "1:3"},
+                              timeout=BOUND_SECONDS)
+    assert time.monotonic() - begin < BOUND_SECONDS
+    assert code != 0
+    assert "Timed out waiting 20000ms" in output, output  # rank 0's transfer to the stopped rank
+    assert sorted(train_losses(tmp_path)) == [1, 2]
