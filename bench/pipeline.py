@@ -377,8 +377,8 @@ def main():
         )
 
     print()
-    print(f"| measure | 1 core | 2 cores |")
-    print(f"| --- | ---: | ---: |")
+    print("| measure | 1 core | 2 cores |")
+    print("| --- | ---: | ---: |")
     for name, key in (("tfgpt prepare", "prepare"), ("HF tokenizers + NumPy", "reference")):
         cells = [
             f"{results[key][w]['megabytes_per_second']:.2f} MB/s "

@@ -66,7 +66,7 @@ class HorovodOptions:
         zero_stage: int. Shard the training state over the workers (ZeRO):
             1 the optimizer moments, 2 also the gradients, 3 also the
             parameters, gathered block by block when used; 0 keeps all of
-            it on every worker (README, Models larger than one worker).
+            it on every worker (README, Splitting one model across workers).
             With --tensor-parallel or --pipeline-parallel only 1: each
             slice's or stage's moments are sharded over its data replicas.
         elastic: bool. Pretraining only: elastic training (`horovodrun
@@ -94,8 +94,8 @@ class HorovodOptions:
         pipeline_parallel: int. Pipeline stages: each of this many workers
             runs a contiguous part of the GPT's blocks (the embeddings with
             the first, the final norm, head and loss with the last), and
-            micro-batches flow through them (README, Models larger than one
-            worker). 1: no pipeline. The number of workers must be a
+            micro-batches flow through them (README, Splitting one model
+            across workers). 1: no pipeline. The number of workers must be a
             multiple: N workers run N / P pipelines side by side, each on
             its part of the data, each stage's gradients averaged over the
             pipelines.
