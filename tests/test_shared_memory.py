@@ -13,6 +13,7 @@ from tests.launch import REPO, horovodrun, run
 from tfgpt import kernels
 from tfgpt.config.distribution import HorovodOptions
 from tfgpt.distributed import shared_memory
+from tfgpt.distributed.horovod_bridge import default_cycle_time
 
 SCRIPT = REPO / "tests" / "hvd_scripts" / "shared_memory_check.py"
 
@@ -120,3 +121,16 @@ def test_shared_memory_where_it_cannot_work_is_one_error_line(tiny_data, tmp_pat
     errors = [line for line in output.splitlines() if "--allreduce-transport" in line]
     assert errors and "one worker" in errors[-1], output
     assert "Traceback" not in output and "model:" not in output
+
+
+@needs_library
+@pytest.mark.parametrize("overrides, environ, cycle", [
+    ({}, {"HOROVOD_SIZE": "2", "HOROVOD_LOCAL_SIZE": "2"}, "50"),
+    ({"allreduce_transport": "horovod"}, {"HOROVOD_SIZE": "2", "HOROVOD_LOCAL_SIZE": "2"}, "10"),
+    ({}, {"HOROVOD_SIZE": "4", "HOROVOD_LOCAL_SIZE": "2"}, "10"),
+    ({}, {}, "10"),
+    ({"pipeline_parallel": 2}, {"HOROVOD_SIZE": "2", "HOROVOD_LOCAL_SIZE": "2"}, "1"),
+])
+def test_horovod_cycles_slowly_when_shared_memory_will_average(overrides, environ, cycle):
+    # Horovod then carries only a few collectives per logging window.
+    assert default_cycle_time(HorovodOptions(**overrides), environ) == cycle

@@ -46,6 +46,28 @@ _DEFAULT_CYCLE_TIME_MS = "10"
 # each at least one cycle (10.2 ms per hop at 10 ms, 1.1 ms at 1 ms, measured
 # on a 2-rank 1F1B step): pipeline runs take 1 ms unless told otherwise.
 _PIPELINE_CYCLE_TIME_MS = "1"
+# With the gradients averaged in shared memory, Horovod only carries a few
+# collectives per logging window, and its idle cycles are what it costs:
+# 50 ms lifted 2-worker gpt-mini scaling from 0.88-0.94 to 0.95-0.96 on 2
+# cores (bench/RESULTS.md).
+_SHARED_MEMORY_CYCLE_TIME_MS = "50"
+
+
+def default_cycle_time(options, environ=os.environ):
+    """The `HOROVOD_CYCLE_TIME` a run of `options` takes unless one is set:
+    1 ms for a pipeline, 50 with the shared-memory average in prospect (the
+    world as horovodrun's environment describes it, before Horovod starts),
+    10 otherwise."""
+    from tfgpt.distributed import shared_memory
+
+    if options.pipeline_parallel > 1:
+        return _PIPELINE_CYCLE_TIME_MS
+    if options.allreduce_transport != "horovod" and not shared_memory.unavailable_reason(
+            options, int(environ.get("HOROVOD_SIZE", 1)),
+            int(environ.get("HOROVOD_LOCAL_SIZE", 1)),
+            bool(tf.config.list_physical_devices("GPU"))):
+        return _SHARED_MEMORY_CYCLE_TIME_MS
+    return _DEFAULT_CYCLE_TIME_MS
 
 
 def gradient_buckets(gradients, bucket_bytes):
@@ -188,8 +210,7 @@ class HorovodDistribution(LocalDistribution):
         `StrategyDistribution.create(options, config)` is built the same way.
         """
         options = options or HorovodOptions()
-        if options.pipeline_parallel > 1:
-            os.environ.setdefault("HOROVOD_CYCLE_TIME", _PIPELINE_CYCLE_TIME_MS)
+        os.environ.setdefault("HOROVOD_CYCLE_TIME", default_cycle_time(options))
         distribution = cls(
             compression="fp16" if options.fp16_allreduce else "none",
             bucket_mb=options.allreduce_bucket_mb,
@@ -341,7 +362,9 @@ class HorovodDistribution(LocalDistribution):
                 raise
             self._shared = None
             self.averaging = f"Horovod allreduce ({error})"
-            logging.getLogger("tfgpt.distributed").warning("%s: averaging through Horovod", error)
+            logging.getLogger("tfgpt.distributed").warning(
+                "%s: averaging through Horovod, at HOROVOD_CYCLE_TIME %s ms (10 suits it "
+                "better)", error, os.environ.get("HOROVOD_CYCLE_TIME"))
             return self._average_with_horovod(gradients)
         result = list(gradients)
         for index, value in zip(shared, averaged):
