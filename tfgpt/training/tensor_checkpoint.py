@@ -534,6 +534,9 @@ def main(argv=None):
             if options.tensor_parallel == options.pipeline_parallel == 1:
                 raise ValueError("split needs --tensor-parallel T or --pipeline-parallel P "
                                  "(above 1): the layout to cut the checkpoint into")
+            if options.tensor_parallel > 1 and options.pipeline_parallel > 1:
+                raise ValueError("split cuts into --tensor-parallel T or --pipeline-parallel P, "
+                                 "not both at once yet")
             path = split(args.run, args.out, options.tensor_parallel,
                          options if options.pipeline_parallel > 1 else None)
     except (ValueError, FileNotFoundError) as error:
