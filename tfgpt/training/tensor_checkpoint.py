@@ -407,11 +407,6 @@ def merge(directory, out):
     if size is not None and zero_written(directory, step):
         raise ValueError(f"{path} was written with --zero-stage 1: its optimizer moments are "
                          "shards, which merge does not join; resume it on the same layout")
-    if cut is not None and any("replica-" in name for name in os.listdir(
-            os.path.dirname(_stage_prefix(directory, 0, step)))):
-        raise ValueError(f"{path} was written with --zero-stage 1: its stages' optimizer "
-                         "moments are shards, which merge does not join; resume it on the same "
-                         "layout")
     if size is not None and record["train"].get("pipeline_parallel", 1) > 1:
         # Into a pipeline run's checkpoint of the same stages (its optimizer is per stage).
         from tfgpt.training import tensor_pipeline_checkpoint
@@ -419,6 +414,12 @@ def merge(directory, out):
         _copy_run_files(directory, out, dict(record, train=dict(record["train"], tensor_parallel=1)))
         return tensor_pipeline_checkpoint.merge(directory, out, record, family, model_config,
                                                 train_config)
+    first_stage = os.path.dirname(_stage_prefix(directory, 0, step))
+    if cut is not None and os.path.isdir(first_stage) and any(
+            name.startswith("replica-") for name in os.listdir(first_stage)):
+        raise ValueError(f"{path} was written with --zero-stage 1: its stages' optimizer "
+                         "moments are shards, which merge does not join; resume it on the same "
+                         "layout")
     model, optimizer = _build(family, model_config, train_config)
     if size is not None:
         # Slice 0's dropout states are the whole model's (the others' split
