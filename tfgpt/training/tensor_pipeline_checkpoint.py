@@ -28,7 +28,7 @@ import tensorflow as tf
 
 from tfgpt.distributed.tensor_parallel import TensorSlice, join_slices, slice_scope, split_rules
 from tfgpt.distributed.zero import slot_variables
-from tfgpt.training.checkpointing import Checkpointer
+from tfgpt.training.checkpointing import Checkpointer, CheckpointerWrapper
 from tfgpt.training.tensor_checkpoint import (
     remove_unkept_slices, slice_count, slice_prefix, step_of,
 )
@@ -39,7 +39,7 @@ def optimizer_directory(directory, stage, index, size):
     return os.path.join(directory, "pipeline", f"stage-{stage}-slice-{index:03d}-of-{size:03d}")
 
 
-class TensorPipelineCheckpointer:
+class TensorPipelineCheckpointer(CheckpointerWrapper):
     """Slices of the whole model, each stage's slice of the optimizer, the chief's index last.
 
     Args:
@@ -48,31 +48,19 @@ class TensorPipelineCheckpointer:
         stage: this rank's `PipelineStage`.
         optimizer, step, rng: the optimizer, the step variable and the
             dropout random states (`tfgpt.training.loop`).
-
-    Offers what `run_loop` and the trainer use of a `Checkpointer`:
-    `latest`, `save`, `restore_latest`, `write_run_files`.
     """
 
     def __init__(self, config, distribution, stage, optimizer, step, rng):
+        super().__init__(Checkpointer(config.out, distribution.is_chief,
+                                      keep=config.keep_checkpoints, step=step), distribution)
         layout = distribution.layout
-        self.distribution = distribution
         self.stage = stage
         self.layout = layout
-        self.directory = config.out
-        self.checkpointer = Checkpointer(config.out, distribution.is_chief,
-                                         keep=config.keep_checkpoints, step=step)
         self.slice_checkpoint = tf.train.Checkpoint(model=stage.model, rng=rng)
         self.own = Checkpointer(
             optimizer_directory(config.out, layout.stage, layout.tensor_index, layout.tensor),
             layout.data_index == 0, keep=config.keep_checkpoints, optimizer=optimizer,
         )
-
-    @property
-    def latest(self):
-        return self.checkpointer.latest
-
-    def write_run_files(self, config, tokenizer_path=None):
-        self.checkpointer.write_run_files(config, tokenizer_path)
 
     def save(self, step):
         # Every rank takes part in the broadcasts; each then holds its slice of the whole model.
@@ -82,7 +70,7 @@ class TensorPipelineCheckpointer:
             self.slice_checkpoint.write(
                 slice_prefix(self.directory, step, layout.tensor_index, layout.tensor))
         self.own.save(step)
-        self.distribution.allreduce_mean(tf.constant(0.0))  # barrier: every file on disk
+        self.barrier()  # every file on disk
         path = self.checkpointer.save(step)
         if path:
             remove_unkept_slices(self.checkpointer)
