@@ -355,6 +355,8 @@ class HorovodDistribution(LocalDistribution):
         gradients = [tf.convert_to_tensor(g) for g in gradients]
         shared = [i for i, g in enumerate(gradients)
                   if g.dtype == tf.float32 and g.shape.is_fully_defined()]
+        if not shared:  # the op takes at least one tensor
+            return self._average_with_horovod(gradients)
         try:
             averaged = self._shared([gradients[i] for i in shared])
         except RuntimeError as error:  # the same on every rank
