@@ -13,6 +13,7 @@ import tensorflow as tf
 
 from tests.launch import REPO, horovodrun, run_and_load, saved_weights, train_losses
 from tests.test_tensor_parallel import _assert_slices_join_to
+from tests.test_three_d import VOCABULARY, _assert_slices_join_to_the_oracle
 from tfgpt.config.distribution import HorovodOptions
 from tfgpt.distributed.tensor_parallel import check_run
 
@@ -83,6 +84,26 @@ def test_pipeline_with_zero_1_matches_one_process(tmp_path):
 
 @pytest.mark.distributed
 @pytest.mark.slow
+def test_tensor_and_pipeline_parallelism_with_zero_1_match_one_process(tmp_path):
+    # -np 8: data 2 x pipeline 2 x tensor 2, each stage's slice's moments
+    # sharded over its 2 replicas; clipping acts, so the norm must count
+    # every stage, slice and shard once.
+    script = HVD_SCRIPTS / "pipeline_check.py"
+    flags = ["--clip", "0.3", "--rows", "16", *VOCABULARY]
+    oracle = run_and_load(script, tmp_path, "one", 0, *flags)[0]
+    assert oracle["norms"].max() > 0.3
+    results = run_and_load(script, tmp_path, "dp2-pp2-tp2", 8, "--tensor", "2", "--stages", "2",
+                           "--microbatches", "2", "--zero-stage", "1", *flags)
+    _assert_slices_join_to_the_oracle(results, oracle, 2, "ZeRO-1, data 2 x pipeline 2 x tensor 2")
+    # Ranks 0-3 are data replica 0's (stage 0's two slices, then stage 1's),
+    # ranks 4-7 replica 1's: each holds half of its stage's slice's rows.
+    _assert_sharded(results, lambda rank: rank // 4)
+    for rank in range(4):
+        np.testing.assert_array_equal(results[rank]["shapes"], results[rank + 4]["shapes"])
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_a_data_group_of_one_rank_keeps_whole_moments_and_matches_one_process(tmp_path):
     # -np 2: TP2 or PP2 alone, one data replica: nothing to shard over (no
     # process set for a group of one: no collective may run on the global set).
@@ -139,23 +160,33 @@ def _tensors(prefix):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("layout, ranks_line, shards", [
-    (["--tensor-parallel", "2"], "2 data replica(s) x tensor 2, this rank's slice",
-     "tensor/ckpt-4/slice-001-of-002-replica-1-of-2"),
-    (["--pipeline-parallel", "2", "--microbatches", "2"],
-     "2 data replica(s) x pipeline 2, this rank's stage", "pipeline/stage-1/replica-1-of-2/ckpt-4"),
-], ids=["tensor", "pipeline"])
-def test_train_hvd_reports_the_shards_and_resumes_bitwise(tiny_data, tmp_path, layout,
-                                                          ranks_line, shards):
+@pytest.mark.parametrize("layout, workers, ranks_line, shards, refusal", [
+    (["--tensor-parallel", "2"], 4, "2 data replica(s) x tensor 2, this rank's slice",
+     "tensor/ckpt-4/slice-001-of-002-replica-1-of-2",
+     "was written with --zero-stage 1: its optimizer moments are shards; resume it with "
+     "--zero-stage 1 on the same layout"),
+    (["--pipeline-parallel", "2", "--microbatches", "2"], 4,
+     "2 data replica(s) x pipeline 2, this rank's stage", "pipeline/stage-1/replica-1-of-2/ckpt-4",
+     "resume with the --pipeline-parallel, schedule and --zero-stage it was saved with"),
+    (["--tensor-parallel", "2", "--pipeline-parallel", "2", "--microbatches", "2"], 8,
+     "2 data replica(s) x pipeline 2 x tensor 2, this rank's stage's slice",
+     "pipeline/stage-1-slice-001-of-002/replica-1-of-2/ckpt-4",
+     "was written with --zero-stage 1: its optimizer moments are shards; resume it with "
+     "--zero-stage 1 on the same layout"),
+], ids=["tensor", "pipeline", "three-d"])
+def test_train_hvd_reports_the_shards_and_resumes_bitwise(tiny_data, tmp_path, layout, workers,
+                                                          ranks_line, shards, refusal):
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    code, output = horovodrun(4, *_command(tiny_data, straight, *layout))
+    code, output = horovodrun(workers, *_command(tiny_data, straight, *layout))
     assert code == 0, output
     assert f"state per rank (ZeRO stage 1, {ranks_line}): parameters " in output
     assert "optimizer " in output.split("state per rank (ZeRO stage 1")[1].splitlines()[0]
-    code, output = horovodrun(4, *_command(tiny_data, killed, *layout),
+    if "--pipeline-parallel" in layout:  # each stage's rank: its shard of its moments
+        _assert_rank_lines_show_shards(output, workers // 2)
+    code, output = horovodrun(workers, *_command(tiny_data, killed, *layout),
                               env={"TFGPT_FAULT_KILL_AFTER_SAVE": "2"})
     assert code != 0 and not (killed / "ckpt-4.index").exists(), output
-    code, output = horovodrun(4, *_command(tiny_data, killed, *layout, "--resume"))
+    code, output = horovodrun(workers, *_command(tiny_data, killed, *layout, "--resume"))
     assert code == 0, output
     assert "resumed from" in output
     # Each rank's shards of the optimizer moments, saved at the end: the same bits.
@@ -171,9 +202,32 @@ def test_train_hvd_reports_the_shards_and_resumes_bitwise(tiny_data, tmp_path, l
 
     model, _ = load_model(str(straight))
     assert len(model.generate([[5, 6, 7]], max_new_tokens=2)[0]) == 2
-    if "--tensor-parallel" in layout:
+    if "--pipeline-parallel" not in layout:  # (a 3D run goes to its pipeline's own merge)
         from tfgpt.training import tensor_checkpoint
 
         with pytest.raises(ValueError, match="written with --zero-stage 1: its optimizer moments "
                                              "are shards, which merge does not join"):
             tensor_checkpoint.merge(str(straight), str(tmp_path / "merged"))
+    # Without --zero-stage 1 the shards cannot be read: one line says what to do.
+    code, output = horovodrun(workers, *_command(tiny_data, straight, *layout, "--resume",
+                                                 "--zero-stage", "0"))
+    assert code != 0
+    assert [line for line in output.splitlines() if "error:" in line and refusal in line], output
+
+
+def _assert_rank_lines_show_shards(output, ranks):
+    """The pipeline line's per-rank bytes: whole weights and gradients of what
+    each rank trains, half its moments (and a float32 copy of that half)."""
+    import re
+
+    from tfgpt.training.loop import byte_size
+
+    line = next(line for line in output.splitlines() if "; per rank: " in line)
+    found = re.findall(r"trains ([\d,]+) of the ([\d,]+) parameters it holds: parameters "
+                       r"(.+?), gradients (.+?), optimizer ([^;]+)", line)
+    assert len(found) == ranks, line
+    for trained, held, parameters, gradients, optimizer in found:
+        trained, held = (int(count.replace(",", "")) for count in (trained, held))
+        shard = -(-trained // 2)  # the first replica's share over 2
+        assert (parameters, gradients, optimizer) == (
+            byte_size(4 * (held + shard)), byte_size(4 * trained), byte_size(8 * shard)), line

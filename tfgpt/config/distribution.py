@@ -67,8 +67,9 @@ class HorovodOptions:
             1 the optimizer moments, 2 also the gradients, 3 also the
             parameters, gathered block by block when used; 0 keeps all of
             it on every worker (README, Splitting one model across workers).
-            With --tensor-parallel or --pipeline-parallel only 1: each
-            slice's or stage's moments are sharded over its data replicas.
+            With --tensor-parallel, --pipeline-parallel or both only 1:
+            each slice's, stage's or stage's slice's moments are sharded
+            over its data replicas.
         elastic: bool. Pretraining only: elastic training (`horovodrun
             --min-np/--max-np --host-discovery-script`). When a worker is
             lost the others go back to the last commit and go on without
@@ -168,13 +169,6 @@ class HorovodOptions:
                 f"--zero-stage {self.zero_stage} does not combine with --pipeline-parallel: "
                 "use --zero-stage 1, which shards each stage's optimizer state over its "
                 f"replicas. Received: zero_stage={self.zero_stage}, "
-                f"pipeline_parallel={self.pipeline_parallel}"
-            )
-        if self.pipeline_parallel > 1 and self.tensor_parallel > 1 and self.zero_stage:
-            raise ValueError(
-                f"--zero-stage {self.zero_stage} does not combine with --tensor-parallel and "
-                "--pipeline-parallel together yet (it does with either alone): use "
-                f"--zero-stage 0. Received: tensor_parallel={self.tensor_parallel}, "
                 f"pipeline_parallel={self.pipeline_parallel}"
             )
         if self.elastic and self.pipeline_parallel > 1:

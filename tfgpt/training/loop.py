@@ -191,12 +191,13 @@ def state_line(model, distribution, zero):
                         gathered=zero.largest_unit() if zero and stage == 3 else 0)
     gib = byte_size
     ranks = f"{distribution.size} rank(s)"
-    if distribution.tensor_slice is not None:
-        ranks = (f"{distribution.size} data replica(s) x tensor {distribution.tensor_slice.size}, "
-                 "this rank's slice")
-    elif pipelined(distribution):
-        ranks = (f"{distribution.size} data replica(s) x pipeline {distribution.layout.pipeline}, "
-                 "this rank's stage")
+    staged, tensor = pipelined(distribution), distribution.tensor_slice
+    if staged or tensor is not None:  # the layout's sizes, data x pipeline x tensor
+        ranks = (f"{distribution.size} data replica(s)"
+                 + (f" x pipeline {distribution.layout.pipeline}" if staged else "")
+                 + (f" x tensor {tensor.size}" if tensor is not None else "")
+                 + ", this rank's " + ("stage's slice" if staged and tensor is not None
+                                       else "stage" if staged else "slice"))
     line = (
         f"state per rank (ZeRO stage {stage}, {ranks}): parameters "
         f"{gib(sizes['parameters'])}, gradients {gib(sizes['gradients'])}, optimizer "

@@ -35,21 +35,48 @@ def stage_directory(directory, stage):
     return os.path.join(directory, PIPELINE_DIRECTORY, f"stage-{stage}")
 
 
+def replicas_written(directory, step):
+    """Whether ZeRO replicas wrote their shards at `step` in `directory` (a
+    stage's optimizer directory), as `stage_checkpointer` does under
+    `--zero-stage 1`."""
+    index = f"ckpt-{int(step)}.index"
+    return os.path.isdir(directory) and any(
+        name.startswith("replica-") and os.path.exists(os.path.join(directory, name, index))
+        for name in os.listdir(directory))
+
+
 def stage_count(directory, step):
-    """P of the pipeline checkpoint at `step`, or None for one without stages."""
+    """P of the pipeline checkpoint at `step`, or None for one without stages
+    (P x T with tensor parallelism too: each stage's slice has its directory)."""
     root = os.path.join(directory, PIPELINE_DIRECTORY)
     if not os.path.isdir(root):
         return None
     index = f"ckpt-{int(step)}.index"
 
     def written(stage):  # by its first replica, or (--zero-stage 1) by each replica
-        return os.path.exists(os.path.join(stage, index)) or any(
-            name.startswith("replica-") and os.path.exists(os.path.join(stage, name, index))
-            for name in os.listdir(stage))
+        return os.path.exists(os.path.join(stage, index)) or replicas_written(stage, step)
 
     count = sum(written(os.path.join(root, name)) for name in os.listdir(root)
                 if name.startswith("stage-") and os.path.isdir(os.path.join(root, name)))
     return count or None
+
+
+def stage_checkpointer(directory, config, layout, optimizer, zero=None):
+    """The `Checkpointer` of this rank's optimizer state in `directory`.
+
+    The first data replica writes it, every replica reads it; under
+    `--zero-stage 1` (`zero`: the stage's `ZeroSharding`) every replica
+    writes and reads its own shards and their optimizer state, in
+    `directory/replica-D-of-N`.
+    """
+    if zero is None:
+        return Checkpointer(directory, layout.data_index == 0, keep=config.keep_checkpoints,
+                            optimizer=optimizer)
+    return Checkpointer(
+        os.path.join(directory, f"replica-{layout.data_index}-of-{layout.data}"), True,
+        keep=config.keep_checkpoints, optimizer=optimizer,
+        shards=[shard.value for shard in zero.shards],
+    )
 
 
 def check_pipeline_run(config, options, family, model_config):
@@ -109,10 +136,11 @@ def build_pipeline(model, optimizer, distribution, sequence_length):
                                     distribution.data_process_set, zero=zero)
 
 
-def describe(stage, layout=None):
+def describe(stage, layout=None, zero_stage=0):
     """The start-up line: the schedule, its bubble, which blocks each stage
     runs, and what this rank trains; with the run's `layout`, for each rank
-    of the first data replica, its blocks, its tensor slice and its bytes."""
+    of the first data replica, its blocks, its tensor slice and its bytes
+    (under `zero_stage` 1, with its shard of its stage's moments)."""
     schedule = stage.schedule
     trained = sum(int(np.prod(v.shape)) for v in stage.trainable_variables)
     line = (
@@ -124,13 +152,16 @@ def describe(stage, layout=None):
     )
     if layout is not None:
         line += "; per rank: " + "; ".join(
-            _rank_state(stage, layout, rank) for rank in range(layout.size // layout.data))
+            _rank_state(stage, layout, rank, zero_stage)
+            for rank in range(layout.size // layout.data))
     return line
 
 
-def _rank_state(stage, layout, rank):
+def _rank_state(stage, layout, rank, zero_stage=0):
     """`rank`'s blocks, slice and float32 bytes of weights (every rank holds
-    its slice of all of them), gradients and AdamW moments (its stage's)."""
+    its slice of all of them, and under ZeRO a float32 copy of its shards),
+    gradients and AdamW moments (its stage's, or under ZeRO its shard of
+    them over the data replicas: `tfgpt.distributed.zero.state_bytes`)."""
     from tfgpt.distributed.zero import state_bytes
     from tfgpt.training.loop import byte_size
 
@@ -141,15 +172,17 @@ def _rank_state(stage, layout, rank):
     # A slice's sizes are the same on every rank of its tensor group.
     trained = {id(v): int(np.prod(v.shape)) for chunk in chunks
                for v in stage.chunk_variables(chunk)}
-    sizes = state_bytes(sum(trained.values()), 0, 1)
+    sizes = state_bytes(sum(trained.values()), zero_stage, layout.data)
     held = sum(int(np.prod(v.shape)) for v in stage.model.trainable_variables)
+    # The weights it holds, plus (ZeRO) the shards' copy beside the trained ones.
+    weights = 4 * held + sizes["parameters"] - 4 * sum(trained.values())
     blocks = ", ".join(f"{stage.ranges[chunk][0]}-{stage.ranges[chunk][1] - 1}"
                        for chunk in chunks)
     return (
         f"rank {rank}: stage {pipeline_index} blocks {blocks}"
         + (f", tensor slice {tensor_index + 1}/{layout.tensor}" if layout.tensor > 1 else "")
         + f", trains {sum(trained.values()):,} of the {held:,} parameters it holds: parameters "
-        f"{byte_size(4 * held)}, gradients {byte_size(sizes['gradients'])}, optimizer "
+        f"{byte_size(weights)}, gradients {byte_size(sizes['gradients'])}, optimizer "
         f"{byte_size(sizes['optimizer'])}"
     )
 
@@ -171,18 +204,9 @@ class PipelineCheckpointer(CheckpointerWrapper):
                                       keep=config.keep_checkpoints, model=stage.model, step=step,
                                       rng=rng), distribution)
         self.stage = stage
-        # The first replica of each stage writes its state; every replica reads it.
         layout = distribution.layout
-        own = stage_directory(config.out, layout.stage)
-        if zero is None:
-            self.own = Checkpointer(own, layout.data_index == 0, keep=config.keep_checkpoints,
-                                    optimizer=optimizer)
-        else:  # each replica's own shards
-            self.own = Checkpointer(
-                os.path.join(own, f"replica-{layout.data_index}-of-{layout.data}"), True,
-                keep=config.keep_checkpoints, optimizer=optimizer,
-                shards=[shard.value for shard in zero.shards],
-            )
+        self.own = stage_checkpointer(stage_directory(config.out, layout.stage), config, layout,
+                                      optimizer, zero)
 
     def save(self, step):
         # Every rank takes part in the broadcasts; the chief then holds the whole model.

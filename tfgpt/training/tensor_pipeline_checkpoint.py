@@ -29,6 +29,7 @@ import tensorflow as tf
 from tfgpt.distributed.tensor_parallel import TensorSlice, join_slices, slice_scope, split_rules
 from tfgpt.distributed.zero import slot_variables
 from tfgpt.training.checkpointing import Checkpointer, CheckpointerWrapper
+from tfgpt.training.pipeline_run import replicas_written, stage_checkpointer
 from tfgpt.training.tensor_checkpoint import (
     remove_unkept_slices, slice_count, slice_prefix, step_of,
 )
@@ -48,19 +49,20 @@ class TensorPipelineCheckpointer(CheckpointerWrapper):
         stage: this rank's `PipelineStage`.
         optimizer, step, rng: the optimizer, the step variable and the
             dropout random states (`tfgpt.training.loop`).
+        zero: the stage's `ZeroSharding` (`--zero-stage 1`), or None.
     """
 
-    def __init__(self, config, distribution, stage, optimizer, step, rng):
+    def __init__(self, config, distribution, stage, optimizer, step, rng, zero=None):
         super().__init__(Checkpointer(config.out, distribution.is_chief,
                                       keep=config.keep_checkpoints, step=step), distribution)
         layout = distribution.layout
         self.stage = stage
         self.layout = layout
+        self.zero = zero
         self.slice_checkpoint = tf.train.Checkpoint(model=stage.model, rng=rng)
-        self.own = Checkpointer(
-            optimizer_directory(config.out, layout.stage, layout.tensor_index, layout.tensor),
-            layout.data_index == 0, keep=config.keep_checkpoints, optimizer=optimizer,
-        )
+        self.optimizer_directory = optimizer_directory(config.out, layout.stage,
+                                                       layout.tensor_index, layout.tensor)
+        self.own = stage_checkpointer(self.optimizer_directory, config, layout, optimizer, zero)
 
     def save(self, step):
         # Every rank takes part in the broadcasts; each then holds its slice of the whole model.
@@ -84,8 +86,18 @@ class TensorPipelineCheckpointer(CheckpointerWrapper):
         step = step_of(path)
         layout = self.layout
         own = os.path.join(self.own.directory, f"ckpt-{step}")
-        if slice_count(self.directory, step) != layout.tensor or not os.path.exists(
-                own + ".index"):
+        saved = slice_count(self.directory, step) == layout.tensor
+        if saved and not os.path.exists(own + ".index"):
+            if self.zero is not None:
+                raise ValueError(
+                    f"{path} has no ZeRO shards for this rank ({own}): resume with the "
+                    "--zero-stage, --tensor-parallel, --pipeline-parallel and number of workers "
+                    "it was saved with"
+                )
+            if replicas_written(self.optimizer_directory, step):
+                raise ValueError(f"{path} was written with --zero-stage 1: its optimizer moments "
+                                 "are shards; resume it with --zero-stage 1 on the same layout")
+        if not saved or not os.path.exists(own + ".index"):
             raise ValueError(
                 f"{path} was not written by --tensor-parallel {layout.tensor} "
                 f"--pipeline-parallel {layout.pipeline} (no {own}): resume with the layout and "

@@ -219,7 +219,7 @@ def train(train_config, model_overrides, distribution):
         # Horovod: each rank trains its stage; micro-batches flow through the pipeline.
         stage, pipeline_step = pipeline_run.build_pipeline(model, optimizer, distribution,
                                                            sequence_length)
-        report.info(pipeline_run.describe(stage, distribution.layout))
+        report.info(pipeline_run.describe(stage, distribution.layout, distribution.zero_stage))
         if pipeline_step.zero is not None:
             report.info(loop.state_line(stage, distribution, pipeline_step.zero))
 
@@ -289,7 +289,8 @@ def train(train_config, model_overrides, distribution):
         from tfgpt.training.tensor_pipeline_checkpoint import TensorPipelineCheckpointer
 
         checkpointer = TensorPipelineCheckpointer(
-            train_config, distribution, stage, optimizer, step, loop.seed_generator_states(model))
+            train_config, distribution, stage, optimizer, step, loop.seed_generator_states(model),
+            zero=pipeline_step.zero)
     elif pipelined:
         checkpointer = pipeline_run.PipelineCheckpointer(
             train_config, distribution, stage, optimizer, step, loop.seed_generator_states(model),
