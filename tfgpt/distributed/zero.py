@@ -36,14 +36,14 @@ Every rank runs the same collectives in the same order, and every
 collective's output is used (a pruned collective would leave its peers
 waiting).
 
-Under tensor or pipeline parallelism (stage 1) the shards are cut over
-the data group (`tfgpt.distributed.layout`): the ranks that hold the
-same tensor slice, or train the same pipeline stage, one per data
-replica; N is then the data replicas, and every collective runs on the
-data group's process set. A tensor-parallel model's global norm adds
-its slices' squares over the tensor group; a pipeline stage's step
+Under tensor or pipeline parallelism, or both (stage 1), the shards are
+cut over the data group (`tfgpt.distributed.layout`): the ranks that hold
+the same tensor slice of the same pipeline stage, one per data replica;
+N is then the data replicas, and every collective runs on the data
+group's process set. A tensor-parallel model's global norm adds its
+slices' squares over the tensor group; a pipeline stage's step
 (`tfgpt.distributed.pipeline_executor`) shards only the stage's
-variables and gives `apply` the norm over every stage.
+variables and gives `apply` the norm over every stage (and slice).
 
 Example (under `horovodrun -np 2`):
 >>> sharding = ZeroSharding(2, model, optimizer, distribution)

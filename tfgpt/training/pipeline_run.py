@@ -11,10 +11,13 @@ generation and fine-tuning read like any other; each rank writes its own
 optimizer state beside it, in `OUT/pipeline/stage-S` (the first
 data-parallel replica of each stage writes it; under `--zero-stage 1`
 every rank writes its shards and their optimizer state, in
-`OUT/pipeline/stage-S/replica-D-of-N`, and resumes on the same layout).
-`tfgpt.training.
-tensor_checkpoint` merges these into an ordinary checkpoint and splits
-one into any pipeline layout.
+`OUT/pipeline/stage-S/replica-D-of-N`, and resumes on the same layout;
+`stage_checkpointer`). With `--tensor-parallel` too, the model is written
+in slices, and each stage's slice writes its optimizer state (under ZeRO,
+each replica its shards) in a directory of its own
+(`tfgpt.training.tensor_pipeline_checkpoint`).
+`tfgpt.training.tensor_checkpoint` merges these into an ordinary
+checkpoint and splits one into any pipeline layout.
 """
 
 import os

@@ -30,9 +30,11 @@ into a whole model (`tfgpt.loading`, so generate, export and convert read
 tensor-parallel runs as they are). Joining and cutting follow each
 variable's split rule (`tfgpt.distributed.tensor_parallel.take_slice`);
 a stage's moments are the whole optimizer's of its variables.
-A run with `--tensor-parallel` and `--pipeline-parallel` merges into a
-pipeline run's checkpoint (`tfgpt.training.tensor_pipeline_checkpoint`),
-which merges again into an ordinary one.
+A run with `--tensor-parallel` and `--pipeline-parallel` writes its
+slices here and each stage's slice's optimizer state (under
+`--zero-stage 1` each rank's shards of it) beside the stages'
+(`tfgpt.training.tensor_pipeline_checkpoint`); it merges into a
+pipeline run's checkpoint, which merges again into an ordinary one.
 
     python -m tfgpt.training.tensor_checkpoint merge RUN OUT
     python -m tfgpt.training.tensor_checkpoint split RUN OUT --tensor-parallel 2

@@ -10,7 +10,11 @@ the run directory:
   (`tfgpt.training.tensor_checkpoint`'s slice files, without an optimizer);
 - `pipeline/stage-P-slice-I-of-T/ckpt-S.*`: the optimizer state of stage
   P's slice I (its moments are the slice's), written by that rank of the
-  first data replica;
+  first data replica; under `--zero-stage 1` every rank writes its shards
+  of them and their optimizer state instead, in
+  `pipeline/stage-P-slice-I-of-T/replica-D-of-N/ckpt-S.*` (D of N data
+  replicas; `tfgpt.training.pipeline_run.stage_checkpointer`), read back
+  on the same layout only;
 - `ckpt-S.*`, the chief's, with the step, last: its index names `ckpt-S`
   once every file is on disk.
 
