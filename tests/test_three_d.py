@@ -160,6 +160,12 @@ def test_a_three_d_run_names_its_layout_resumes_and_merges_into_a_pipeline_run(
                               pipeline=[])
     assert code != 0
     assert "was written by a --pipeline-parallel run: resume with its" in output, output
+    # Nor with --zero-stage 1: its optimizer state is whole, not this rank's shards.
+    code, output = _train_hvd(4, tiny_data, cut, "--steps", "5", "--resume", *THREE_D,
+                              "--zero-stage", "1")
+    assert code != 0
+    assert [line for line in output.splitlines() if "error:" in line
+            and "has no ZeRO shards for this rank" in line], output
     resumed = train_losses(merged)
     assert sorted(resumed) == [3, 4]
     for step in resumed:
