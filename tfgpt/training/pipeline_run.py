@@ -150,8 +150,9 @@ def describe(stage, layout=None, zero_stage=0):
         f"pipeline: {schedule.name}, {schedule.stages} stages x {schedule.virtual_stages} "
         f"chunk(s), {schedule.microbatches} micro-batches, {schedule.ticks} ticks per step, "
         f"bubble {schedule.bubble(0):.3f} (idle / busy ticks); {stage.describe()}; rank "
-        f"{stage.rank} trains {trained:,} parameters (their gradients and optimizer state; "
-        "every rank keeps the whole model's weights)"
+        f"{stage.rank} trains {trained:,} parameters (their gradients and"
+        f"{' its shard of their' if zero_stage else ''} optimizer state; every rank keeps the "
+        "whole model's weights)"
     )
     if layout is not None:
         line += "; per rank: " + "; ".join(
