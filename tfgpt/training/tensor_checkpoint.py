@@ -9,8 +9,8 @@ directory:
 - under `--zero-stage 1`, the slices hold no optimizer: every rank
   writes its shards and their optimizer state in
   `tensor/ckpt-S/slice-I-of-T-replica-D-of-N.*` (replica D's rows of the
-  slice's variables, `tfgpt.distributed.zero.shard_rows`), which resume
-  on the same layout, or merge;
+  slice's variables, `tfgpt.distributed.zero.shard_rows`), read back on
+  the same layout, or joined by `merge`;
 - `ckpt-S.*`, the chief's, with the step, through the same
   `CheckpointManager` as every run: its index names `ckpt-S` only once
   every slice is on disk, so a run killed mid-save resumes from the
@@ -31,9 +31,9 @@ stage's moments are its replicas' rows joined in replica order,
 slice cut into the stages, as `tfgpt.training.tensor_pipeline_checkpoint`
 reads it), so a model trained on one layout resumes or is fine-tuned on
 another (merge, then split; what they write holds whole moments and
-resumes with `--zero-stage 0`); `restore_whole`
-reads the slices straight into a whole model (`tfgpt.loading`, so
-generate, export and convert read tensor-parallel runs as they are).
+resumes with `--zero-stage 0`); `restore_whole` reads the slices
+straight into a whole model (`tfgpt.loading`, so generate, export and
+convert read tensor-parallel runs as they are).
 Joining and cutting follow each variable's split rule
 (`tfgpt.distributed.tensor_parallel.take_slice`); a stage's moments are
 the whole optimizer's of its variables. A run with `--tensor-parallel`
