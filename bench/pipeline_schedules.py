@@ -21,12 +21,17 @@ to JSON files that this process collects and prints as tables:
   backward passes, the gradients and the step's temporaries. (The
   process's resident set does not show it: the allocator keeps the first
   step's memory.) Beside it the schedule's in-flight micro-batches.
-- tokens/s (`--throughput`): the same global batch by one pipeline of 2
-  stages (PP2, 1F1B, M = `--microbatches`) and by 2 data-parallel
-  workers (DP2, tfgpt's TrainStep with its Horovod allreduce), for each
-  preset. Two processes share the 2 cores either way: these figures are
-  about the schedules and memory, not the speed-up a pipeline gives
-  across devices.
+- tokens/s (`--throughput`): the same global batch by 2 data-parallel
+  workers (DP2, tfgpt's TrainStep with its Horovod allreduce), by two-way
+  tensor parallelism (TP2: both ranks on the whole batch, each with half
+  of every block's heads and feed-forward width and of the vocabulary)
+  and by one pipeline of 2 stages (PP2, 1F1B, M = `--microbatches`), for
+  each preset, the three alternating for `--rounds` rounds; tokens/s of
+  the fastest step after the first (the slower rank's), with the
+  parameters each rank trains (computes gradients and optimizer state
+  for). Two processes share the 2 cores in every layout: these figures
+  are about the layouts' costs (exchanges, bubble, memory), not the
+  speed-up any of them gives across devices.
 
 Usage:
     python -m bench.pipeline_schedules --bubble --memory --throughput \\
@@ -57,6 +62,7 @@ def _worker(args):
     import tensorflow as tf
 
     from tfgpt import GPT
+    from tfgpt.config.models import GPT_PRESETS
     from tfgpt.config.distribution import HorovodOptions
     from tfgpt.config.training import TrainConfig
     from tfgpt.distributed.horovod_bridge import HorovodDistribution
@@ -65,6 +71,7 @@ def _worker(args):
 
     pipelined = args.mode == "pp"
     options = HorovodOptions(
+        tensor_parallel=2 if args.mode == "tp" else 1,
         pipeline_parallel=2 if pipelined else 1,
         microbatches=args.microbatches if pipelined else 1,
         pipeline_schedule=args.schedule,
@@ -72,15 +79,22 @@ def _worker(args):
     )
     distribution = HorovodDistribution.create(options)
     keras.utils.set_random_seed(0)
-    if args.preset:
-        model = GPT.from_preset(args.preset, dropout=0.0)
-    else:
-        model = GPT(**BENCH_MODEL)
+    with distribution.scope():  # TP: this rank's slice of every block
+        if args.preset:
+            # gpt2-small's 50,257 ids padded to 50,258 in every layout: TP2
+            # cuts the vocabulary in halves.
+            vocabulary = GPT_PRESETS[args.preset]["vocabulary_size"]
+            model = GPT.from_preset(args.preset, dropout=0.0,
+                                    vocabulary_size=vocabulary + vocabulary % 2)
+        else:
+            model = GPT(**BENCH_MODEL)
     config = TrainConfig(data="-", steps=args.steps, warmup_steps=1)
     optimizer = make_optimizer(config, 1, steps=args.steps)
     length = args.sequence_length
-    rows = args.batch_size if pipelined else args.batch_size // 2
-    tokens = np.random.default_rng(distribution.rank if not pipelined else 0).integers(
+    # DP: half the global batch per rank; TP and PP: the whole batch on each.
+    whole = args.mode != "dp"
+    rows = args.batch_size if whole else args.batch_size // 2
+    tokens = np.random.default_rng(0 if whole else distribution.rank).integers(
         0, model.vocabulary_size, (rows, length + 1), dtype=np.int32)
     batch = (tf.constant(tokens[:, :-1]), tf.constant(tokens[:, 1:]))
     if pipelined:
@@ -90,14 +104,17 @@ def _worker(args):
 
         schedule = PipelineSchedule(args.schedule, 2, args.microbatches, options.virtual_stages)
         stage = PipelineStage(model, schedule, distribution.rank, sequence_length=length)
-        optimizer.build(stage.trainable_variables)
+        trained = stage.trainable_variables
+        optimizer.build(trained)
         step = PipelineTrainStep(stage, optimizer, distribution.pipeline_process_set, timed=True)
     else:
         from tfgpt.training.train_step import TrainStep
 
-        optimizer.build(model.trainable_variables)
+        trained = model.trainable_variables
+        optimizer.build(trained)
         step = TrainStep(model, optimizer, distribution)
-    figures = {"rank": distribution.rank, "seconds": [], "peak_above_entry_mib": []}
+    figures = {"rank": distribution.rank, "seconds": [], "peak_above_entry_mib": [],
+               "trained": int(sum(np.prod(v.shape) for v in trained))}
     for _ in range(args.steps):
         distribution.allreduce_mean(tf.constant(0.0)).numpy()  # start together
         tf.config.experimental.reset_memory_stats("CPU:0")
@@ -168,19 +185,33 @@ def memory_table(args):
     print_table(["schedule", "M", "stage 0 step peak", "stage 1 step peak"], rows)
 
 
+LAYOUTS = {"dp": "DP2", "tp": "TP2", "pp": "PP2 (1f1b, M={microbatches})"}
+
+
 def throughput_table(args):
+    seconds = {}  # (preset, mode) -> the fastest step of each round
+    trained = {}
+    for round_ in range(args.rounds):
+        for preset in args.presets:
+            for mode in LAYOUTS:
+                ranks = _job("--mode", mode, "--preset", preset, "--schedule", "1f1b",
+                             "--microbatches", args.microbatches, "--batch-size",
+                             args.batch_size, "--sequence-length", 128, "--steps", args.steps)
+                # The first step traces; the slower rank sets the pace.
+                step = max(min(r["seconds"][1:]) for r in ranks)
+                seconds.setdefault((preset, mode), []).append(step)
+                trained[preset, mode] = max(r["trained"] for r in ranks)
+                print(f"round {round_ + 1}: {preset} {mode} {step:.2f} s", flush=True)
     rows = []
-    for preset in args.presets:
-        for mode in ("pp", "dp"):
-            ranks = _job("--mode", mode, "--preset", preset, "--schedule", "1f1b",
-                         "--microbatches", args.microbatches, "--batch-size", args.batch_size,
-                         "--sequence-length", 128, "--steps", args.steps)
-            seconds = max(min(r["seconds"][1:]) for r in ranks)  # the first step traces
-            tokens = args.batch_size * 128 / seconds
-            rows.append([preset, "PP2 (1f1b, M=%d)" % args.microbatches if mode == "pp"
-                         else "DP2", f"{tokens:,.0f}", f"{seconds:.2f}"])
-            print(rows[-1], flush=True)
-    print_table(["preset", "layout", "tokens/s", "step s"], rows)
+    for (preset, mode), steps in seconds.items():
+        tokens = [args.batch_size * 128 / step for step in steps]
+        data = seconds[preset, "dp"]
+        rows.append([preset, LAYOUTS[mode].format(microbatches=args.microbatches),
+                     " / ".join(f"{value:,.0f}" for value in tokens),
+                     " / ".join(f"{d / s:.2f}" for d, s in zip(data, steps)),
+                     f"{trained[preset, mode]:,}"])
+    print_table(["preset", "layout", "tokens/s per round", "vs DP2 per round",
+                 "parameters trained per rank"], rows)
 
 
 def main(argv=None):
@@ -193,9 +224,10 @@ def main(argv=None):
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=1)
     # The worker's own flags.
     parser.add_argument("--report")
-    parser.add_argument("--mode", choices=("pp", "dp"), default="pp")
+    parser.add_argument("--mode", choices=("pp", "dp", "tp"), default="pp")
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--preset")
     parser.add_argument("--sequence-length", type=int, default=256)

@@ -18,6 +18,14 @@ SIZES = [(name, stages, microbatches, virtual)
          if name != "interleaved" or microbatches % stages == 0]
 
 
+def _ticks(schedule):
+    """`(tick, [(rank, operation, virtual stage) of the ranks busy in it])`, tick by tick."""
+    for tick in range(schedule.ticks):
+        yield tick, [(rank, operation, schedule.virtual_stage(rank, operation.chunk))
+                     for rank, operation in enumerate(row[tick] for row in schedule.timetable)
+                     if operation is not None]
+
+
 def test_docstring_example():
     assert doctest.testmod(pipeline_schedule).failed == 0
 
@@ -56,12 +64,8 @@ def test_interleaved_program_order():
 def test_dependencies_and_bubble(name, stages, microbatches, virtual):
     schedule = PipelineSchedule(name, stages, microbatches, virtual)
     finished = {}  # (kind, microbatch, virtual stage) -> tick
-    for tick in range(schedule.ticks):
-        for rank in range(stages):
-            operation = schedule.timetable[rank][tick]
-            if operation is None:
-                continue
-            stage = schedule.virtual_stage(rank, operation.chunk)
+    for tick, busy in _ticks(schedule):
+        for _, operation, stage in busy:
             key = (operation.kind, operation.microbatch, stage)
             assert key not in finished
             if operation.kind == FORWARD and stage > 0:
@@ -130,12 +134,8 @@ def test_every_send_meets_its_receive_and_is_used_once(name, stages, microbatche
     schedule = PipelineSchedule(name, stages, microbatches, virtual)
     assert all(len(row) == schedule.ticks for row in schedule.timetable)
     received = [set() for _ in range(stages)]
-    for tick in range(schedule.ticks):
-        for rank in range(stages):
-            operation = schedule.timetable[rank][tick]
-            if operation is None:
-                continue
-            stage = schedule.virtual_stage(rank, operation.chunk)
+    for tick, busy in _ticks(schedule):
+        for rank, operation, stage in busy:
             needs = ((FORWARD, stage > 0) if operation.kind == FORWARD
                      else (BACKWARD, stage < schedule.num_virtual_stages - 1))
             if needs[1]:

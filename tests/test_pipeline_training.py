@@ -177,7 +177,6 @@ def test_pipeline_run_resumes_as_uninterrupted_and_saves_an_ordinary_model(tiny_
     ([], "split needs --tensor-parallel T or --pipeline-parallel P"),
     (["--pipeline-parallel", "2", "--virtual-stages", "2"],
      "--virtual-stages is for --pipeline-schedule interleaved"),
-    (["--pipeline-parallel", "2", "--tensor-parallel", "2"], "not both at once yet"),
 ])
 def test_splitting_into_no_layout_or_a_wrong_one_is_one_error_line(capsys, flags, message):
     from tfgpt.training import tensor_checkpoint

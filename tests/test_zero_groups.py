@@ -145,11 +145,11 @@ TINY_MODEL = [
 ]
 
 
-def _command(data, out, *layout):
+def _command(data, out, *layout, zero_stage=1):
     return [REPO / "train_hvd.py", "--data", data, "--out", out, "--steps", "4",
             "--save-every", "2", "--log-every", "1", "--batch-size", "4", "--dropout", "0.0",
             "--eval-batches", "1", "--warmup-steps", "2", "--learning-rate", "3e-3",
-            "--zero-stage", "1", *TINY_MODEL, *layout]
+            "--zero-stage", zero_stage, *TINY_MODEL, *layout]
 
 
 def _tensors(prefix):
@@ -202,15 +202,9 @@ def test_train_hvd_reports_the_shards_and_resumes_bitwise(tiny_data, tmp_path, l
 
     model, _ = load_model(str(straight))
     assert len(model.generate([[5, 6, 7]], max_new_tokens=2)[0]) == 2
-    if "--pipeline-parallel" not in layout:  # (a 3D run goes to its pipeline's own merge)
-        from tfgpt.training import tensor_checkpoint
-
-        with pytest.raises(ValueError, match="written with --zero-stage 1: its optimizer moments "
-                                             "are shards, which merge does not join"):
-            tensor_checkpoint.merge(str(straight), str(tmp_path / "merged"))
     # Without --zero-stage 1 the shards cannot be read: one line says what to do.
     code, output = horovodrun(workers, *_command(tiny_data, straight, *layout, "--resume",
-                                                 "--zero-stage", "0"))
+                                                 zero_stage=0))
     assert code != 0
     assert [line for line in output.splitlines() if "error:" in line and refusal in line], output
 
@@ -231,3 +225,79 @@ def _assert_rank_lines_show_shards(output, ranks):
         shard = -(-trained // 2)  # the first replica's share over 2
         assert (parameters, gradients, optimizer) == (
             byte_size(4 * (held + shard)), byte_size(4 * trained), byte_size(8 * shard)), line
+
+
+def _merged_state(run_dir):
+    """The trainable weights, both moments and the step count of the ordinary
+    checkpoint `tensor_checkpoint merge` wrote in `run_dir`."""
+    from tfgpt.training.tensor_checkpoint import _build, _run_configs
+    from tfgpt.distributed.zero import slot_variables
+
+    _, family, model_config, train_config = _run_configs(str(run_dir))
+    model, optimizer = _build(family, model_config, train_config)
+    tf.train.Checkpoint(model=model, optimizer=optimizer).read(
+        tf.train.latest_checkpoint(str(run_dir))).expect_partial()
+    names = [v.path.split("/", 1)[1] for v in model.trainable_variables]  # (not the model's)
+    state = {name: v.numpy() for name, v in zip(names, model.trainable_variables)}
+    for slot, moments in slot_variables(optimizer).items():
+        state.update({f"{slot} {name}": m.numpy() for m, name in zip(moments, names)})
+    state["iterations"] = optimizer.iterations.numpy()
+    return state
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_zero_1_tensor_parallel_checkpoint_merged_resumes_with_the_same_losses(
+        tiny_data, tmp_path):
+    from tfgpt.training.tensor_checkpoint import main as tensor_checkpoint
+
+    # TP2 x D2 under ZeRO-1, killed after its save at step 2, merged: 2
+    # data-parallel workers (the same 2 input pipelines) without ZeRO resume
+    # it with the losses of the uninterrupted run.
+    tensor = ["--tensor-parallel", "2"]
+    straight, killed, merged = tmp_path / "straight", tmp_path / "killed", tmp_path / "merged"
+    code, output = horovodrun(4, *_command(tiny_data, straight, *tensor))
+    assert code == 0, output
+    code, output = horovodrun(4, *_command(tiny_data, killed, *tensor),
+                              env={"TFGPT_FAULT_KILL_AFTER_SAVE": "2"})
+    assert code != 0 and (killed / "tensor/ckpt-2/slice-001-of-002-replica-1-of-2.index").exists()
+    tensor_checkpoint(["merge", str(killed), str(merged)])
+    code, output = horovodrun(2, *_command(tiny_data, merged, "--resume", zero_stage=0))
+    assert code == 0 and "resumed from" in output and "next unseen batch" in output, output
+    expected, resumed = train_losses(straight), train_losses(merged)
+    assert sorted(resumed) == [3, 4]
+    for at_step in (3, 4):
+        assert resumed[at_step] == pytest.approx(expected[at_step], abs=1e-5), at_step
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("layout, workers, shards", [
+    (["--pipeline-parallel", "2", "--microbatches", "2"], 4, "pipeline/stage-1/replica-1-of-2"),
+    (["--tensor-parallel", "2", "--pipeline-parallel", "2", "--microbatches", "2"], 8,
+     "pipeline/stage-1-slice-001-of-002/replica-1-of-2"),
+], ids=["pipeline", "three-d"])
+def test_a_zero_1_pipeline_checkpoint_merges_into_what_the_run_without_zero_merges_into(
+        tiny_data, tmp_path, layout, workers, shards):
+    from tfgpt.training.tensor_checkpoint import main as tensor_checkpoint
+
+    # PP2 (x TP2) x D2 with and without ZeRO-1 on the same batches: the
+    # replicas' rows joined are the whole stage's (slice's) moments.
+    states = []
+    for zero_stage in (1, 0):
+        run_dir = tmp_path / f"zero-{zero_stage}"
+        code, output = horovodrun(workers, *_command(tiny_data, run_dir, *layout,
+                                                     zero_stage=zero_stage))
+        assert code == 0, output
+        merged = str(run_dir) + "-merged"
+        tensor_checkpoint(["merge", str(run_dir), merged])
+        if "--tensor-parallel" in layout:  # TP x PP -> PP -> ordinary
+            tensor_checkpoint(["merge", merged, merged + "-whole"])
+            merged += "-whole"
+        states.append(_merged_state(merged))
+    assert (tmp_path / "zero-1" / shards / "ckpt-4.index").exists()
+    sharded, whole = states
+    assert sharded.keys() == whole.keys() and sharded["iterations"] == 4
+    for key, value in whole.items():
+        assert np.abs(value).max() > 0, key  # (the moments of every variable were written)
+        np.testing.assert_allclose(sharded[key], value, rtol=1e-6, atol=1e-9, err_msg=key)

@@ -8,8 +8,9 @@ directory:
   optimizer (its moments are the slice's) and dropout states;
 - under `--zero-stage 1`, the slices hold no optimizer: every rank
   writes its shards and their optimizer state in
-  `tensor/ckpt-S/slice-I-of-T-replica-D-of-N.*`, read back on the same
-  layout only (`merge` and `split` take runs without ZeRO);
+  `tensor/ckpt-S/slice-I-of-T-replica-D-of-N.*` (replica D's rows of the
+  slice's variables, `tfgpt.distributed.zero.shard_rows`), read back on
+  the same layout, or joined by `merge`;
 - `ckpt-S.*`, the chief's, with the step, through the same
   `CheckpointManager` as every run: its index names `ckpt-S` only once
   every slice is on disk, so a run killed mid-save resumes from the
@@ -17,29 +18,37 @@ directory:
 
 A `--pipeline-parallel P` run's checkpoint is the chief's whole model,
 step and dropout states in `ckpt-S.*`, and each stage's optimizer state
-(the moments of the variables it trains) in `pipeline/stage-R/ckpt-S.*`
-(`tfgpt.training.pipeline_run`). Which variables a stage trains follows
-from `PIPELINE_CUT` (P, --virtual-stages, --pipeline-partition), read from
-the run's config.json.
+(the moments of the variables it trains) in `pipeline/stage-R/ckpt-S.*`,
+or under `--zero-stage 1` each data replica's shards of it in
+`pipeline/stage-R/replica-D-of-N/ckpt-S.*` (`tfgpt.training.pipeline_run`).
+Which variables a stage trains follows from `PIPELINE_CUT` (P,
+--virtual-stages, --pipeline-partition), read from the run's config.json.
 
-`merge` turns such a directory into an ordinary (single-worker)
-checkpoint, and `split` an ordinary one into any T or any pipeline
-layout, so a model trained on one layout resumes or is fine-tuned on
-another (merge, then split); `restore_whole` reads the slices straight
-into a whole model (`tfgpt.loading`, so generate, export and convert read
-tensor-parallel runs as they are). Joining and cutting follow each
-variable's split rule (`tfgpt.distributed.tensor_parallel.take_slice`);
-a stage's moments are the whole optimizer's of its variables.
-A run with `--tensor-parallel` and `--pipeline-parallel` writes its
-slices here and each stage's slice's optimizer state (under
-`--zero-stage 1` each rank's shards of it) beside the stages'
-(`tfgpt.training.tensor_pipeline_checkpoint`); it merges into a
-pipeline run's checkpoint, which merges again into an ordinary one.
+`merge` turns such a directory, ZeRO-1 shards included (each slice's or
+stage's moments are its replicas' rows joined in replica order,
+`join_zero_replicas`), into an ordinary (single-worker) checkpoint, and
+`split` an ordinary one into any T, any pipeline layout, or both (each
+slice cut into the stages, as `tfgpt.training.tensor_pipeline_checkpoint`
+reads it), so a model trained on one layout resumes or is fine-tuned on
+another (merge, then split; what they write holds whole moments and
+resumes with `--zero-stage 0`); `restore_whole` reads the slices
+straight into a whole model (`tfgpt.loading`, so generate, export and
+convert read tensor-parallel runs as they are).
+Joining and cutting follow each variable's split rule
+(`tfgpt.distributed.tensor_parallel.take_slice`); a stage's moments are
+the whole optimizer's of its variables. A run with `--tensor-parallel`
+and `--pipeline-parallel` (its slices here, each stage's slice's optimizer
+state, or under `--zero-stage 1` its replicas' shards, beside the
+stages') merges into a pipeline run's checkpoint
+(`tfgpt.training.tensor_pipeline_checkpoint`), which merges again into an
+ordinary one.
 
     python -m tfgpt.training.tensor_checkpoint merge RUN OUT
     python -m tfgpt.training.tensor_checkpoint split RUN OUT --tensor-parallel 2
     python -m tfgpt.training.tensor_checkpoint split RUN OUT --pipeline-parallel 2 \\
         --pipeline-schedule interleaved --virtual-stages 2 --microbatches 4
+    python -m tfgpt.training.tensor_checkpoint split RUN OUT --tensor-parallel 2 \\
+        --pipeline-parallel 2 --microbatches 2
 """
 
 import argparse
@@ -56,7 +65,7 @@ from tfgpt.config.training import TrainConfig
 from tfgpt.distributed.tensor_parallel import (
     TensorSlice, join_slices, slice_scope, split_rules, split_seed_states, take_slice,
 )
-from tfgpt.distributed.zero import slot_variables
+from tfgpt.distributed.zero import shard_rows, slot_variables
 from tfgpt.training.checkpointing import CONFIG_FILE, Checkpointer, CheckpointerWrapper
 from tfgpt.training.checkpointing import read_config
 from tfgpt.training.checkpointing import write_json_atomically
@@ -294,18 +303,89 @@ def _pairs(model, optimizer):
 
 def _slices(directory, step, size, family, model_config, train_config, optimizer=True):
     """The `size` slice models and optimizers of `directory`'s checkpoint at `step`
-    (without `optimizer`, the optimizers are not read)."""
+    (without `optimizer`, the optimizers are not read; under ZeRO-1 each is
+    joined from its data replicas' shards)."""
+    zero = optimizer and zero_written(directory, step)
     built = []
     for index in range(size):
         model, slice_optimizer = _build(family, model_config, train_config,
                                         TensorSlice(None, None, size, index))
         trackables = _trackables(model, slice_optimizer)
-        if not optimizer:
+        if not optimizer or zero:
             del trackables["optimizer"]
-        tf.train.Checkpoint(**trackables).read(
-            slice_prefix(directory, step, index, size)).assert_existing_objects_matched()
+        prefix = slice_prefix(directory, step, index, size)
+        tf.train.Checkpoint(**trackables).read(prefix).assert_existing_objects_matched()
+        if zero:
+            replicas = replica_count(slices_directory(directory, step),
+                                     os.path.basename(prefix) + "-")
+            join_zero_replicas([f"{prefix}-replica-{replica}-of-{replicas}"
+                                for replica in range(replicas)],
+                               slice_optimizer, model.trainable_variables, train_config)
         built.append((model, slice_optimizer))
     return built
+
+
+def replica_count(directory, start):
+    """N of the ZeRO-1 data replicas whose files (or directories) in
+    `directory` are named `start` + `replica-D-of-N`; None without any."""
+    counts = {int(name[len(start):].split("-of-")[1].split(".")[0])
+              for name in os.listdir(directory) if name.startswith(start + "replica-")}
+    if len(counts) > 1:
+        raise ValueError(f"{directory} holds the ZeRO shards of {sorted(counts)} data replicas "
+                         f"for {start or 'one stage'}: not one checkpoint's")
+    return counts.pop() if counts else None
+
+
+def join_zero_replicas(prefixes, optimizer, variables, train_config):
+    """Gives `optimizer`, built on `variables` (a slice's or stage's), the
+    state that its data replicas' ZeRO-1 checkpoints `prefixes` hold.
+
+    Replica D's checkpoint (`optimizer`, `shards`) holds its rows of every
+    variable of `variables`, in order (`tfgpt.distributed.zero.shard_rows`
+    over the `len(prefixes)` replicas), and an optimizer built on them:
+    each moment is its replicas' rows joined in replica order; the other
+    optimizer variables (the step count, alike on all) are the first's.
+    """
+    import keras
+
+    from tfgpt.training.optimizers import make_optimizer
+    from tfgpt.training.sharded_checkpoint import replicated_optimizer_variables
+
+    replicas = []
+    for replica, prefix in enumerate(prefixes):
+        if not os.path.exists(prefix + ".index"):
+            raise ValueError(f"{prefix} is missing: the ZeRO-1 checkpoint of data replica "
+                             f"{replica} of {len(prefixes)} was not written")
+        shards = [keras.Variable(
+            tf.zeros([shard_rows(v.shape[0], len(prefixes))[0][replica], *v.shape[1:]], v.dtype),
+            trainable=True, name=v.name, dtype=v.dtype) for v in variables]
+        shard_optimizer = make_optimizer(train_config, 1)
+        shard_optimizer.build(shards)
+        tf.train.Checkpoint(optimizer=shard_optimizer, shards=[s.value for s in shards]).read(
+            prefix).assert_existing_objects_matched().expect_partial()  # a manager's save counter
+        replicas.append(shard_optimizer)
+    parts = [slot_variables(replica) for replica in replicas]
+    for name, moments in slot_variables(optimizer).items():
+        for index, moment in enumerate(moments):
+            moment.assign(tf.concat([slots[name][index] for slots in parts], axis=0))
+    for mine, theirs in zip(replicated_optimizer_variables(optimizer),
+                            replicated_optimizer_variables(replicas[0])):
+        mine.assign(theirs)
+
+
+def read_optimizer_state(directory, step, optimizer, variables, train_config):
+    """Reads into `optimizer` (built on `variables`) the state a pipeline
+    stage's (or stage slice's) `directory` holds at `step`: its `ckpt-S`,
+    or under ZeRO-1 its replicas' `replica-D-of-N/ckpt-S`, joined."""
+    replicas = replica_count(directory, "") if os.path.isdir(directory) else None
+    if replicas is None:
+        tf.train.Checkpoint(optimizer=optimizer).read(
+            os.path.join(directory, f"ckpt-{int(step)}")).assert_existing_objects_matched(
+            ).expect_partial()  # the manager's save counter
+        return
+    join_zero_replicas([os.path.join(directory, f"replica-{replica}-of-{replicas}",
+                                     f"ckpt-{int(step)}") for replica in range(replicas)],
+                       optimizer, variables, train_config)
 
 
 def _offset_seeds(model, tensor_slice):
@@ -388,10 +468,6 @@ def _copy_optimizer_state(source, source_variables, target, target_variables):
         mine.assign(theirs)
 
 
-def _stage_prefix(directory, rank, step):
-    return os.path.join(stage_directory(directory, rank), f"ckpt-{int(step)}")
-
-
 def merge(directory, out):
     """Writes `directory`'s latest tensor- or pipeline-parallel checkpoint as an
     ordinary one in `out`.
@@ -406,9 +482,6 @@ def merge(directory, out):
     size, cut = slice_count(directory, step), _saved_cut(directory, step)
     if size is None and cut is None:
         raise ValueError(f"{path} is an ordinary checkpoint already: nothing to merge")
-    if size is not None and zero_written(directory, step):
-        raise ValueError(f"{path} was written with --zero-stage 1: its optimizer moments are "
-                         "shards, which merge does not join; resume it on the same layout")
     if size is not None and record["train"].get("pipeline_parallel", 1) > 1:
         # Into a pipeline run's checkpoint of the same stages (its optimizer is per stage).
         from tfgpt.training import tensor_pipeline_checkpoint
@@ -416,12 +489,6 @@ def merge(directory, out):
         _copy_run_files(directory, out, dict(record, train=dict(record["train"], tensor_parallel=1)))
         return tensor_pipeline_checkpoint.merge(directory, out, record, family, model_config,
                                                 train_config)
-    first_stage = os.path.dirname(_stage_prefix(directory, 0, step))
-    if cut is not None and os.path.isdir(first_stage) and any(
-            name.startswith("replica-") for name in os.listdir(first_stage)):
-        raise ValueError(f"{path} was written with --zero-stage 1: its stages' optimizer "
-                         "moments are shards, which merge does not join; resume it on the same "
-                         "layout")
     model, optimizer = _build(family, model_config, train_config)
     if size is not None:
         # Slice 0's dropout states are the whole model's (the others' split
@@ -435,9 +502,8 @@ def merge(directory, out):
             path).assert_existing_objects_matched().expect_partial()  # (the step: below)
         stages = _pipeline_stages(model, cut, record["data"]["seq_len"], train_config)
         for rank, (stage, stage_optimizer) in enumerate(stages):
-            tf.train.Checkpoint(optimizer=stage_optimizer).read(
-                _stage_prefix(directory, rank, step)).assert_existing_objects_matched(
-                ).expect_partial()  # the manager's save counter
+            read_optimizer_state(stage_directory(directory, rank), step, stage_optimizer,
+                                 stage.trainable_variables, train_config)
             _copy_optimizer_state(stage_optimizer, stage.trainable_variables,
                                   optimizer, model.trainable_variables)
         record["train"].update(pipeline_parallel=1, microbatches=1, virtual_stages=1)
@@ -447,14 +513,28 @@ def merge(directory, out):
                         rng=seed_generator_states(model)).save(step)
 
 
+def _write_stages(model, optimizer, cut, sequence_length, train_config, step, directory_of):
+    """Writes the optimizer state of each stage of the pipeline `cut` of
+    `model` (a whole model or a slice; `optimizer` holds its moments) in
+    `directory_of(rank)`, as that stage's rank writes it."""
+    for rank, (stage, stage_optimizer) in enumerate(
+            _pipeline_stages(model, cut, sequence_length, train_config)):
+        _copy_optimizer_state(optimizer, model.trainable_variables,
+                              stage_optimizer, stage.trainable_variables)
+        Checkpointer(directory_of(rank), True, optimizer=stage_optimizer).save(step)
+
+
 def split(directory, out, size=1, pipeline=None):
-    """Writes `directory`'s latest ordinary checkpoint as `size` slices in
-    `out`, or cut into the stages of `pipeline` (`HorovodOptions`: its
+    """Writes `directory`'s latest ordinary checkpoint in `out` as `size`
+    slices, cut into the stages of `pipeline` (`HorovodOptions`: its
     `PIPELINE_CUT`, and the schedule and micro-batches written to the
-    config).
+    config), or both: each slice cut into the stages.
 
     Returns the written checkpoint's path.
     """
+    if size == 1 and pipeline is None:
+        raise ValueError("split needs --tensor-parallel T or --pipeline-parallel P "
+                         "(above 1): the layout to cut the checkpoint into")
     record, family, model_config, train_config = _run_configs(directory)
     path = tf.train.latest_checkpoint(directory)
     step = step_of(path)
@@ -467,22 +547,20 @@ def split(directory, out, size=1, pipeline=None):
 
         check_partition(model_config.num_layers,
                         pipeline.pipeline_parallel * pipeline.virtual_stages)
-    else:
+    if size > 1:
         check_run(size, family, model_config, train_config)
     model, optimizer = _build(family, model_config, train_config)
     step_variable = tf.Variable(0, dtype=tf.int64)
     tf.train.Checkpoint(model=model, optimizer=optimizer, step=step_variable,
                         rng=seed_generator_states(model)).read(path).assert_existing_objects_matched(
                         ).expect_partial()  # the manager's save counter
+    sequence_length = record["data"]["seq_len"]
     if pipeline is not None:
-        stages = _pipeline_stages(model, pipeline_cut(pipeline), record["data"]["seq_len"],
-                                  train_config)
-        for rank, (stage, stage_optimizer) in enumerate(stages):
-            _copy_optimizer_state(optimizer, model.trainable_variables,
-                                  stage_optimizer, stage.trainable_variables)
-            Checkpointer(stage_directory(out, rank), True, optimizer=stage_optimizer).save(step)
         record["train"].update({name: getattr(pipeline, name) for name in (
             *PIPELINE_CUT, "pipeline_schedule", "microbatches")})
+    if size == 1:
+        _write_stages(model, optimizer, pipeline_cut(pipeline), sequence_length, train_config,
+                      step, lambda rank: stage_directory(out, rank))
         _copy_run_files(directory, out, record)
         # The chief's checkpoint last: its index names the step once the stages are on disk.
         return Checkpointer(out, True, model=model, step=step_variable,
@@ -495,8 +573,18 @@ def split(directory, out, size=1, pipeline=None):
             value = whole.numpy()
             variable.assign(value if rule is None else take_slice(value, rule, size, index))
         _offset_seeds(part, tensor_slice)
-        tf.train.Checkpoint(**_trackables(part, part_optimizer)).write(
+        if pipeline is None:
+            tf.train.Checkpoint(**_trackables(part, part_optimizer)).write(
+                slice_prefix(out, step, index, size))
+            continue
+        # The slice of every stage's blocks, and each stage's slice of the optimizer.
+        from tfgpt.training.tensor_pipeline_checkpoint import optimizer_directory
+
+        tf.train.Checkpoint(model=part, rng=seed_generator_states(part)).write(
             slice_prefix(out, step, index, size))
+        _write_stages(part, part_optimizer, pipeline_cut(pipeline), sequence_length,
+                      train_config, step,
+                      lambda rank: optimizer_directory(out, rank, index, size))
     record["train"]["tensor_parallel"] = size
     _copy_run_files(directory, out, record)
     return Checkpointer(out, True, step=step_variable).save(step)
@@ -509,15 +597,17 @@ def main(argv=None):
     )
     commands = parser.add_subparsers(dest="command", required=True)
     merging = commands.add_parser(
-        "merge", help="tensor- or pipeline-parallel run -> ordinary checkpoint")
+        "merge", help="tensor- or pipeline-parallel run (ZeRO-1 included) -> ordinary checkpoint")
     splitting = commands.add_parser(
-        "split", help="ordinary run -> --tensor-parallel T slices or --pipeline-parallel P stages")
+        "split", help="ordinary run -> --tensor-parallel T slices, --pipeline-parallel P stages, "
+                      "or both")
     for command in (merging, splitting):
         command.add_argument("run", help="the run directory (its latest checkpoint)")
         command.add_argument("out", help="the new run directory")
     defaults = HorovodOptions()
     splitting.add_argument("--tensor-parallel", type=int, default=1, metavar="T",
-                           help="slices, as train_hvd.py --tensor-parallel")
+                           help="slices, as train_hvd.py --tensor-parallel (with "
+                                "--pipeline-parallel: each slice cut into the stages)")
     splitting.add_argument("--pipeline-parallel", type=int, default=1, metavar="P",
                            help="stages, as train_hvd.py --pipeline-parallel; the next four "
                                 "flags as the run that resumes will give them")
@@ -534,12 +624,6 @@ def main(argv=None):
                 tensor_parallel=args.tensor_parallel, pipeline_parallel=args.pipeline_parallel,
                 microbatches=args.microbatches, pipeline_schedule=args.pipeline_schedule,
                 virtual_stages=args.virtual_stages, pipeline_partition=args.pipeline_partition)
-            if options.tensor_parallel == options.pipeline_parallel == 1:
-                raise ValueError("split needs --tensor-parallel T or --pipeline-parallel P "
-                                 "(above 1): the layout to cut the checkpoint into")
-            if options.tensor_parallel > 1 and options.pipeline_parallel > 1:
-                raise ValueError("split cuts into --tensor-parallel T or --pipeline-parallel P, "
-                                 "not both at once yet")
             path = split(args.run, args.out, options.tensor_parallel,
                          options if options.pipeline_parallel > 1 else None)
     except (ValueError, FileNotFoundError) as error:

@@ -10,11 +10,11 @@ the run directory:
   (`tfgpt.training.tensor_checkpoint`'s slice files, without an optimizer);
 - `pipeline/stage-P-slice-I-of-T/ckpt-S.*`: the optimizer state of stage
   P's slice I (its moments are the slice's), written by that rank of the
-  first data replica; under `--zero-stage 1` every rank writes its shards
-  of them and their optimizer state instead, in
-  `pipeline/stage-P-slice-I-of-T/replica-D-of-N/ckpt-S.*` (D of N data
-  replicas; `tfgpt.training.pipeline_run.stage_checkpointer`), read back
-  on the same layout only;
+  first data replica; under `--zero-stage 1` each data replica D of N
+  writes its shards of it and their optimizer state instead, in
+  `pipeline/stage-P-slice-I-of-T/replica-D-of-N/`
+  (`tfgpt.training.pipeline_run.stage_checkpointer`), which resumes on
+  the same layout only;
 - `ckpt-S.*`, the chief's, with the step, last: its index names `ckpt-S`
   once every file is on disk.
 
@@ -22,8 +22,11 @@ the run directory:
 the slices into the checkpoint of a pipeline run with the same P and no
 tensor parallelism: the whole model, step and dropout states in
 `OUT/ckpt-S`, read as any whole model (generate, export, convert), and
-each stage's optimizer state in `OUT/pipeline/stage-P`, so that OUT
-resumes with `--pipeline-parallel P`.
+each stage's optimizer state in `OUT/pipeline/stage-P` (ZeRO-1 shards
+joined, `tfgpt.training.tensor_checkpoint.join_zero_replicas`), so that
+OUT resumes with `--pipeline-parallel P`. `split RUN OUT --tensor-parallel
+T --pipeline-parallel P` writes these files from an ordinary checkpoint
+(`tfgpt.training.tensor_checkpoint.split`).
 """
 
 import os
@@ -35,7 +38,7 @@ from tfgpt.distributed.zero import slot_variables
 from tfgpt.training.checkpointing import Checkpointer, CheckpointerWrapper
 from tfgpt.training.pipeline_run import replicas_written, stage_checkpointer
 from tfgpt.training.tensor_checkpoint import (
-    remove_unkept_slices, slice_count, slice_prefix, step_of,
+    read_optimizer_state, remove_unkept_slices, slice_count, slice_prefix, step_of,
 )
 
 
@@ -186,10 +189,10 @@ def merge(directory, out, record, family, model_config, train_config):
         optimizer = _stage_optimizer(train_config, variables)
         parts = []
         for index, part in enumerate(slices):
-            part_optimizer = _stage_optimizer(train_config, stage_of(part, rank).trainable_variables)
-            tf.train.Checkpoint(optimizer=part_optimizer).read(os.path.join(
-                optimizer_directory(directory, rank, index, size), f"ckpt-{step}")
-            ).assert_existing_objects_matched().expect_partial()  # the manager's save counter
+            trained = stage_of(part, rank).trainable_variables
+            part_optimizer = _stage_optimizer(train_config, trained)
+            read_optimizer_state(optimizer_directory(directory, rank, index, size), step,
+                                 part_optimizer, trained, train_config)
             parts.append(part_optimizer)
         part_variables = stage_of(slices[0], rank).trainable_variables
         for name, moments in slot_variables(optimizer).items():
