@@ -299,5 +299,12 @@ def test_a_zero_1_pipeline_checkpoint_merges_into_what_the_run_without_zero_merg
     sharded, whole = states
     assert sharded.keys() == whole.keys() and sharded["iterations"] == 4
     for key, value in whole.items():
-        assert np.abs(value).max() > 0, key  # (the moments of every variable were written)
-        np.testing.assert_allclose(sharded[key], value, rtol=1e-6, atol=1e-9, err_msg=key)
+        scale = np.abs(value).max()
+        assert scale > 0, key  # (the moments of every variable were written)
+        # At each array's scale: the runs round apart (the norm from shards
+        # or whole gradients), and the key bias, whose gradient is rounding
+        # noise (the softmax ignores it), takes AdamW's full steps of it, to
+        # ~1e-5 of its array's scale; a shard joined in the wrong place
+        # would be off by the scale itself.
+        np.testing.assert_allclose(sharded[key], value, rtol=1e-6, atol=1e-4 * scale,
+                                   err_msg=key)
