@@ -116,9 +116,12 @@ def _tensors(prefix):
 def test_sigkill_and_resume_on_the_same_layout_is_bitwise(tiny_data, tmp_path):
     tensor = ["--tensor-parallel", "2"]
     code, output = horovodrun(2, *_command(tiny_data, tmp_path / "straight", *tensor,
-                                           dropout="0.1"))
+                                           "--keep-checkpoints", "1", dropout="0.1"))
     assert code == 0, output
     assert "layout: 2 rank(s) = data 1 x pipeline 1 x tensor 2" in output
+    # The slices of a checkpoint no longer kept go with it.
+    assert sorted(path.name for path in (tmp_path / "straight" / "tensor").iterdir()) == [
+        "ckpt-12"]
     killed = tmp_path / "killed"
     code, output = horovodrun(2, *_command(tiny_data, killed, *tensor, dropout="0.1"),
                               env={"TFGPT_FAULT_KILL_AFTER_SAVE": "6"})

@@ -3,8 +3,9 @@ optimizer state sharded over its data group (`horovodrun -np 4`, 2 data replicas
 
 The equivalence tests run `tests/hvd_scripts` (float32, 6 steps, dropout
 0) against one process on the same global batch; the `train_hvd.py` tests
-check the start-up line and that a run killed after a save resumes with
-the same losses, bit for bit, as one that was not.
+check the start-up lines, that a run killed after a save resumes with the
+same losses, bit for bit, as one that was not, and that `tensor_checkpoint
+merge` joins the shards into the moments of an ordinary checkpoint.
 """
 
 import numpy as np
@@ -158,35 +159,56 @@ def _tensors(prefix):
             if not name.startswith("_CHECKPOINTABLE_OBJECT_GRAPH")}
 
 
+THREE_D_RANKS_LINE = "2 data replica(s) x pipeline 2 x tensor 2, this rank's stage's slice"
+# Resuming shards without --zero-stage 1 (the tensor-parallel and 3D checkpointers' line).
+SHARDS_REFUSAL = ("was written with --zero-stage 1: its optimizer moments are shards; resume "
+                  "it with --zero-stage 1 on the same layout")
+
+
+def _assert_refused_without_zero(data, run_dir, layout, workers, refusal):
+    code, output = horovodrun(workers, *_command(data, run_dir, *layout, "--resume",
+                                                 zero_stage=0))
+    assert code != 0
+    assert [line for line in output.splitlines() if "error:" in line and refusal in line], output
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("layout, workers, ranks_line, shards, refusal", [
-    (["--tensor-parallel", "2"], 4, "2 data replica(s) x tensor 2, this rank's slice",
-     "tensor/ckpt-4/slice-001-of-002-replica-1-of-2",
-     "was written with --zero-stage 1: its optimizer moments are shards; resume it with "
-     "--zero-stage 1 on the same layout"),
-    (["--pipeline-parallel", "2", "--microbatches", "2"], 4,
+@pytest.mark.parametrize("layout, ranks_line, shards, refusal", [
+    (["--tensor-parallel", "2"], "2 data replica(s) x tensor 2, this rank's slice",
+     "tensor/ckpt-4/slice-001-of-002-replica-1-of-2", SHARDS_REFUSAL),
+    (["--pipeline-parallel", "2", "--microbatches", "2"],
      "2 data replica(s) x pipeline 2, this rank's stage", "pipeline/stage-1/replica-1-of-2/ckpt-4",
      "resume with the --pipeline-parallel, schedule and --zero-stage it was saved with"),
-    (["--tensor-parallel", "2", "--pipeline-parallel", "2", "--microbatches", "2"], 8,
-     "2 data replica(s) x pipeline 2 x tensor 2, this rank's stage's slice",
-     "pipeline/stage-1-slice-001-of-002/replica-1-of-2/ckpt-4",
-     "was written with --zero-stage 1: its optimizer moments are shards; resume it with "
-     "--zero-stage 1 on the same layout"),
-], ids=["tensor", "pipeline", "three-d"])
-def test_train_hvd_reports_the_shards_and_resumes_bitwise(tiny_data, tmp_path, layout, workers,
-                                                          ranks_line, shards, refusal):
-    straight, killed = tmp_path / "straight", tmp_path / "killed"
-    code, output = horovodrun(workers, *_command(tiny_data, straight, *layout))
+], ids=["tensor", "pipeline"])
+def test_train_hvd_reports_the_shards_resumes_bitwise_and_merges(tiny_data, tmp_path, layout,
+                                                                 ranks_line, shards, refusal):
+    from tfgpt.loading import load_model
+    from tfgpt.training.tensor_checkpoint import main as tensor_checkpoint
+
+    straight, killed, merged = tmp_path / "straight", tmp_path / "killed", tmp_path / "merged"
+    code, output = horovodrun(4, *_command(tiny_data, straight, *layout))
     assert code == 0, output
     assert f"state per rank (ZeRO stage 1, {ranks_line}): parameters " in output
     assert "optimizer " in output.split("state per rank (ZeRO stage 1")[1].splitlines()[0]
     if "--pipeline-parallel" in layout:  # each stage's rank: its shard of its moments
-        _assert_rank_lines_show_shards(output, workers // 2)
-    code, output = horovodrun(workers, *_command(tiny_data, killed, *layout),
+        _assert_rank_lines_show_shards(output, 2)
+    code, output = horovodrun(4, *_command(tiny_data, killed, *layout),
                               env={"TFGPT_FAULT_KILL_AFTER_SAVE": "2"})
     assert code != 0 and not (killed / "ckpt-4.index").exists(), output
-    code, output = horovodrun(workers, *_command(tiny_data, killed, *layout, "--resume"))
+    # Merged at step 2 (the replicas' rows joined): 2 data-parallel workers
+    # without ZeRO (the same 2 input pipelines) go on with the uninterrupted
+    # run's losses.
+    tensor_checkpoint(["merge", str(killed), str(merged)])
+    code, output = horovodrun(2, *_command(tiny_data, merged, "--resume", zero_stage=0))
+    assert code == 0 and "resumed from" in output and "next unseen batch" in output, output
+    expected = train_losses(straight)
+    from_merged = train_losses(merged)
+    assert sorted(from_merged) == [3, 4]
+    for at_step in (3, 4):
+        assert from_merged[at_step] == pytest.approx(expected[at_step], abs=1e-5), at_step
+    # The same layout resumes bit for bit.
+    code, output = horovodrun(4, *_command(tiny_data, killed, *layout, "--resume"))
     assert code == 0, output
     assert "resumed from" in output
     # Each rank's shards of the optimizer moments, saved at the end: the same bits.
@@ -194,19 +216,14 @@ def test_train_hvd_reports_the_shards_and_resumes_bitwise(tiny_data, tmp_path, l
     assert first.keys() == second.keys() and any("optimizer" in key for key in first)
     for key in first:
         np.testing.assert_array_equal(first[key], second[key], err_msg=key)
-    expected, resumed = train_losses(straight), train_losses(killed)
+    resumed = train_losses(killed)
     for at_step in (3, 4):
         assert resumed[at_step] == expected[at_step], at_step
     # The weights read whole, as any run's (the slices joined, or the chief's model).
-    from tfgpt.loading import load_model
-
     model, _ = load_model(str(straight))
     assert len(model.generate([[5, 6, 7]], max_new_tokens=2)[0]) == 2
     # Without --zero-stage 1 the shards cannot be read: one line says what to do.
-    code, output = horovodrun(workers, *_command(tiny_data, straight, *layout, "--resume",
-                                                 zero_stage=0))
-    assert code != 0
-    assert [line for line in output.splitlines() if "error:" in line and refusal in line], output
+    _assert_refused_without_zero(tiny_data, straight, layout, 4, refusal)
 
 
 def _assert_rank_lines_show_shards(output, ranks):
@@ -247,55 +264,30 @@ def _merged_state(run_dir):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_a_zero_1_tensor_parallel_checkpoint_merged_resumes_with_the_same_losses(
+def test_a_three_d_zero_1_run_reports_its_shards_and_merges_into_what_the_run_without_zero_does(
         tiny_data, tmp_path):
     from tfgpt.training.tensor_checkpoint import main as tensor_checkpoint
 
-    # TP2 x D2 under ZeRO-1, killed after its save at step 2, merged: 2
-    # data-parallel workers (the same 2 input pipelines) without ZeRO resume
-    # it with the losses of the uninterrupted run.
-    tensor = ["--tensor-parallel", "2"]
-    straight, killed, merged = tmp_path / "straight", tmp_path / "killed", tmp_path / "merged"
-    code, output = horovodrun(4, *_command(tiny_data, straight, *tensor))
-    assert code == 0, output
-    code, output = horovodrun(4, *_command(tiny_data, killed, *tensor),
-                              env={"TFGPT_FAULT_KILL_AFTER_SAVE": "2"})
-    assert code != 0 and (killed / "tensor/ckpt-2/slice-001-of-002-replica-1-of-2.index").exists()
-    tensor_checkpoint(["merge", str(killed), str(merged)])
-    code, output = horovodrun(2, *_command(tiny_data, merged, "--resume", zero_stage=0))
-    assert code == 0 and "resumed from" in output and "next unseen batch" in output, output
-    expected, resumed = train_losses(straight), train_losses(merged)
-    assert sorted(resumed) == [3, 4]
-    for at_step in (3, 4):
-        assert resumed[at_step] == pytest.approx(expected[at_step], abs=1e-5), at_step
-
-
-@pytest.mark.distributed
-@pytest.mark.slow
-@pytest.mark.parametrize("layout, workers, shards", [
-    (["--pipeline-parallel", "2", "--microbatches", "2"], 4, "pipeline/stage-1/replica-1-of-2"),
-    (["--tensor-parallel", "2", "--pipeline-parallel", "2", "--microbatches", "2"], 8,
-     "pipeline/stage-1-slice-001-of-002/replica-1-of-2"),
-], ids=["pipeline", "three-d"])
-def test_a_zero_1_pipeline_checkpoint_merges_into_what_the_run_without_zero_merges_into(
-        tiny_data, tmp_path, layout, workers, shards):
-    from tfgpt.training.tensor_checkpoint import main as tensor_checkpoint
-
-    # PP2 (x TP2) x D2 with and without ZeRO-1 on the same batches: the
-    # replicas' rows joined are the whole stage's (slice's) moments.
+    # DP2 x PP2 x TP2 with and without ZeRO-1 on the same batches: the
+    # replicas' rows joined are the whole stage's slice's moments. (Its
+    # same-layout resume is the pipeline's and the slices' above.)
+    layout = ["--tensor-parallel", "2", "--pipeline-parallel", "2", "--microbatches", "2"]
     states = []
     for zero_stage in (1, 0):
         run_dir = tmp_path / f"zero-{zero_stage}"
-        code, output = horovodrun(workers, *_command(tiny_data, run_dir, *layout,
-                                                     zero_stage=zero_stage))
+        code, output = horovodrun(8, *_command(tiny_data, run_dir, *layout,
+                                               zero_stage=zero_stage))
         assert code == 0, output
+        if zero_stage:
+            assert f"state per rank (ZeRO stage 1, {THREE_D_RANKS_LINE}): parameters " in output
+            _assert_rank_lines_show_shards(output, 4)
         merged = str(run_dir) + "-merged"
         tensor_checkpoint(["merge", str(run_dir), merged])
-        if "--tensor-parallel" in layout:  # TP x PP -> PP -> ordinary
-            tensor_checkpoint(["merge", merged, merged + "-whole"])
-            merged += "-whole"
-        states.append(_merged_state(merged))
-    assert (tmp_path / "zero-1" / shards / "ckpt-4.index").exists()
+        tensor_checkpoint(["merge", merged, merged + "-whole"])  # TP x PP -> PP -> ordinary
+        states.append(_merged_state(merged + "-whole"))
+    assert (tmp_path / "zero-1" / "pipeline/stage-1-slice-001-of-002/replica-1-of-2"
+            / "ckpt-4.index").exists()
+    _assert_refused_without_zero(tiny_data, tmp_path / "zero-1", layout, 8, SHARDS_REFUSAL)
     sharded, whole = states
     assert sharded.keys() == whole.keys() and sharded["iterations"] == 4
     for key, value in whole.items():

@@ -177,13 +177,20 @@ def _trackables(model, optimizer):
     return dict(model=model, optimizer=optimizer, rng=seed_generator_states(model))
 
 
-def remove_unkept_slices(checkpointer):
-    """Deletes the slices of the steps the chief's `checkpointer` no longer keeps."""
-    kept = {step_of(kept_path) for kept_path in checkpointer.manager.checkpoints}
-    root = os.path.join(checkpointer.directory, SLICES_DIRECTORY)
-    for name in os.listdir(root):
-        if name.startswith("ckpt-") and int(name.split("-")[1]) not in kept:
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+def commit_slices(wrapper, step):
+    """Once every rank of `wrapper`'s run has written its parts of `step`:
+    the chief's index names the step, then the slices of the steps it no
+    longer keeps go. Returns the chief's path (None on other ranks)."""
+    wrapper.barrier()  # every slice on disk
+    checkpointer = wrapper.checkpointer
+    path = checkpointer.save(step)
+    if path:
+        kept = {step_of(kept_path) for kept_path in checkpointer.manager.checkpoints}
+        root = os.path.join(checkpointer.directory, SLICES_DIRECTORY)
+        for name in os.listdir(root):
+            if name.startswith("ckpt-") and int(name.split("-")[1]) not in kept:
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    return path
 
 
 class TensorParallelCheckpointer(CheckpointerWrapper):
@@ -220,11 +227,7 @@ class TensorParallelCheckpointer(CheckpointerWrapper):
             )
         if self.shard_checkpoint is not None:
             self.shard_checkpoint.write(self._shard_prefix(step, self.tensor_slice.size))
-        self.barrier()  # every slice on disk
-        path = self.checkpointer.save(step)
-        if path:
-            remove_unkept_slices(self.checkpointer)
-        return path
+        return commit_slices(self, step)
 
     def restore_latest(self):
         """Restores the newest checkpoint, which must have this run's T; returns its path."""

@@ -38,7 +38,7 @@ from tfgpt.distributed.zero import slot_variables
 from tfgpt.training.checkpointing import Checkpointer, CheckpointerWrapper
 from tfgpt.training.pipeline_run import replicas_written, stage_checkpointer
 from tfgpt.training.tensor_checkpoint import (
-    read_optimizer_state, remove_unkept_slices, slice_count, slice_prefix, step_of,
+    commit_slices, read_optimizer_state, slice_count, slice_prefix, step_of,
 )
 
 
@@ -79,11 +79,7 @@ class TensorPipelineCheckpointer(CheckpointerWrapper):
             self.slice_checkpoint.write(
                 slice_prefix(self.directory, step, layout.tensor_index, layout.tensor))
         self.own.save(step)
-        self.barrier()  # every file on disk
-        path = self.checkpointer.save(step)
-        if path:
-            remove_unkept_slices(self.checkpointer)
-        return path
+        return commit_slices(self, step)
 
     def restore_latest(self):
         """Restores the newest checkpoint, which must have this run's layout; returns its path."""
