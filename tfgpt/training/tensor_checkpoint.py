@@ -103,6 +103,12 @@ def zero_written(directory, step):
     return any("-replica-" in name for name in os.listdir(slices_directory(directory, step)))
 
 
+def zero_shards_error(path):
+    """The error for a ZeRO-1 checkpoint resumed without --zero-stage 1."""
+    return ValueError(f"{path} was written with --zero-stage 1: its optimizer moments are "
+                      "shards; resume it with --zero-stage 1 on the same layout")
+
+
 def layout_error(path, found, wanted):
     """The error for a checkpoint of another layout than this run's.
 
@@ -245,8 +251,7 @@ class TensorParallelCheckpointer(CheckpointerWrapper):
                 "tfgpt.training.tensor_checkpoint merge RUN OUT")
         self.checkpointer.checkpoint.restore(path).assert_existing_objects_matched()
         if self.shard_checkpoint is None and zero_written(self.directory, step):
-            raise ValueError(f"{path} was written with --zero-stage 1: its optimizer moments "
-                             "are shards; resume it with --zero-stage 1 on the same layout")
+            raise zero_shards_error(path)
         prefix = slice_prefix(self.directory, step, self.tensor_slice.index, found)
         self.slice_checkpoint.read(prefix).assert_existing_objects_matched()
         if self.shard_checkpoint is not None:

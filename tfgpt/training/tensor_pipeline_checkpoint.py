@@ -38,7 +38,7 @@ from tfgpt.distributed.zero import slot_variables
 from tfgpt.training.checkpointing import Checkpointer, CheckpointerWrapper
 from tfgpt.training.pipeline_run import replicas_written, stage_checkpointer
 from tfgpt.training.tensor_checkpoint import (
-    commit_slices, read_optimizer_state, slice_count, slice_prefix, step_of,
+    commit_slices, read_optimizer_state, slice_count, slice_prefix, step_of, zero_shards_error,
 )
 
 
@@ -98,8 +98,7 @@ class TensorPipelineCheckpointer(CheckpointerWrapper):
                     "it was saved with"
                 )
             if replicas_written(self.optimizer_directory, step):
-                raise ValueError(f"{path} was written with --zero-stage 1: its optimizer moments "
-                                 "are shards; resume it with --zero-stage 1 on the same layout")
+                raise zero_shards_error(path)
         if not saved or not os.path.exists(own + ".index"):
             raise ValueError(
                 f"{path} was not written by --tensor-parallel {layout.tensor} "
