@@ -89,10 +89,10 @@ PIPELINE = ["--pipeline-parallel", "2", "--microbatches", "2"]
 THREE_D = ["--tensor-parallel", "2"]
 
 
-def _train_hvd(workers, data, out, *flags, pipeline=PIPELINE):
+def _train_hvd(workers, data, out, *flags, pipeline=PIPELINE, env=None):
     return horovodrun(workers, REPO / "train_hvd.py", "--data", data, "--out", out,
                       "--log-every", "1", "--eval-batches", "2", "--warmup-steps", "2",
-                      *TINY_MODEL, *pipeline, *flags)
+                      *TINY_MODEL, *pipeline, *flags, env=env)
 
 
 @pytest.mark.distributed
@@ -110,12 +110,19 @@ def test_a_three_d_run_names_its_layout_resumes_and_merges_into_a_pipeline_run(
         tiny_data, tmp_path):
     from tfgpt.training.tensor_checkpoint import main as tensor_checkpoint
 
-    # The oracle: the same batches through a pipeline of whole blocks.
+    # The oracles: the same batches through a pipeline of whole blocks, and
+    # the same layout uninterrupted.
     whole, cut, merged = tmp_path / "whole", tmp_path / "cut", tmp_path / "merged"
+    straight = tmp_path / "straight"
     code, output = _train_hvd(2, tiny_data, whole, "--steps", "4")
     assert code == 0, output
-    code, output = _train_hvd(4, tiny_data, cut, "--steps", "2", *THREE_D)
+    code, output = _train_hvd(4, tiny_data, straight, "--steps", "4", "--save-every", "2",
+                              *THREE_D)
     assert code == 0, output
+    # SIGKILLed right after its save at step 2.
+    code, output = _train_hvd(4, tiny_data, cut, "--steps", "4", "--save-every", "2", *THREE_D,
+                              env={"TFGPT_FAULT_KILL_AFTER_SAVE": "2"})
+    assert code != 0 and not (cut / "ckpt-4.index").exists(), output
     # Which rank holds which blocks and which slice, and its bytes: a slice
     # of a block (C = 32, I = 48, T = 2) has its norms, the query/key/value
     # and feed-forward columns, the output and second feed-forward rows and
@@ -147,9 +154,14 @@ def test_a_three_d_run_names_its_layout_resumes_and_merges_into_a_pipeline_run(
                               pipeline=gpipe)
     assert code == 0, output
     assert "resumed from" in output and "next unseen batch" in output, output
-    code, output = _train_hvd(4, tiny_data, cut, "--steps", "4", "--resume", *THREE_D)
+    code, output = _train_hvd(4, tiny_data, cut, "--steps", "4", "--save-every", "2", "--resume",
+                              *THREE_D)
     assert code == 0, output
     assert "resumed from" in output
+    # The same layout resumes bit for bit.
+    resumed, uninterrupted = train_losses(cut), train_losses(straight)
+    for step in (3, 4):
+        assert resumed[step] == uninterrupted[step], step
     # The merged checkpoint goes on as a pipeline run of whole blocks.
     code, output = _train_hvd(2, tiny_data, merged, "--steps", "4", "--resume")
     assert code == 0, output
