@@ -1,5 +1,7 @@
 """Fixtures shared by the training tests."""
 
+import os
+
 import pytest
 
 from tests.synthetic import pattern_corpus
@@ -21,3 +23,17 @@ def tiny_data(tmp_path_factory):
     ])
     assert code == 0
     return out
+
+
+@pytest.fixture(scope="session", autouse=True)
+def machine_cache(tmp_path_factory):
+    """The suite's own `TFGPT_CACHE_DIR` (the measured matmul peak): the
+    runs it starts share one measurement, and the user's cache is untouched."""
+    directory = tmp_path_factory.mktemp("cache")
+    previous = os.environ.get("TFGPT_CACHE_DIR")
+    os.environ["TFGPT_CACHE_DIR"] = str(directory)
+    yield directory
+    if previous is None:
+        os.environ.pop("TFGPT_CACHE_DIR", None)
+    else:
+        os.environ["TFGPT_CACHE_DIR"] = previous

@@ -30,6 +30,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfgpt.config.checks import require_int_at_least
+from tfgpt.graph_function import graph_function
 
 # Prompt lengths are padded up to a multiple of this under XLA, whose
 # compilations are per shape.
@@ -334,7 +335,7 @@ def _decoder(model, use_cache, jit_compile, return_logits=False):
                 return_logits=return_logits,
             )
 
-        decoders[key] = tf.function(
+        decoders[key] = graph_function(
             run,
             input_signature=[
                 tf.TensorSpec([None, None], tf.int32, name="token_ids"),

@@ -93,7 +93,8 @@ class RunConfig:
             else 1. Must divide `batch_size`.
         peak_flops: float. Peak FLOP/s of one worker, for MFU; 0 measures
             chains of 2048x2048 matmuls in the training dtype at start-up,
-            one per tower.
+            one per tower, once per machine (kept under `TFGPT_CACHE_DIR`,
+            default ~/.cache/tfgpt; `tfgpt.training.flops.cached_matmul_peak`).
         profile_steps: str. `START,END`: record a TensorFlow profiler trace
             of steps START to END (1-based and inclusive, as logged) in
             OUT/profile, on the chief only (`python -m bench.profile_summary

@@ -35,6 +35,7 @@ import tensorflow as tf
 
 from tfgpt.distributed.pipeline_schedule import BACKWARD, FORWARD
 from tfgpt.distributed.tensor_parallel import split_rules
+from tfgpt.graph_function import graph_function
 from tfgpt.training.train_step import STEP_TIMES, _dense
 
 
@@ -90,12 +91,12 @@ class PipelineTrainStep:
         self._index = {id(v): index for index, v in enumerate(self.variables)}
         # One compiled forward pass per virtual stage of this rank, and the update.
         self._forward_passes = {
-            stage_index: tf.function(lambda x, y, s=stage_index: stage.forward(s, x, y))
+            stage_index: graph_function(lambda x, y, s=stage_index: stage.forward(s, x, y))
             for stage_index in stage.chunks
         }
-        self._update = tf.function(self._update_fn)
+        self._update = graph_function(self._update_fn)
         if zero is not None:
-            self._reduce_scatter = tf.function(zero.reduce_accumulated)
+            self._reduce_scatter = graph_function(zero.reduce_accumulated)
 
     def __call__(self, *batch):
         return self._step_fn(batch[0] if len(batch) == 1 else batch)

@@ -17,6 +17,7 @@ from tfgpt.finetuning.classification import encode_classification
 from tfgpt.finetuning.data import squad_windows
 from tfgpt.finetuning.squad import gold_answers, postprocess_predictions
 from tfgpt.finetuning.squad_metrics import squad_scores
+from tfgpt.graph_function import graph_function
 
 
 def gather_objects(value, distribution):
@@ -48,7 +49,7 @@ def gather_objects(value, distribution):
 
 def predict_batches(model, inputs, batch_size, xla):
     """Runs `model` over `inputs` (dict of (N, T) arrays); returns NumPy outputs."""
-    predict = tf.function(lambda batch: model(batch, training=False), jit_compile=xla)
+    predict = graph_function(lambda batch: model(batch, training=False), jit_compile=xla)
     outputs = []
     for batch in tf.data.Dataset.from_tensor_slices(inputs).batch(batch_size):
         outputs.append(tf.nest.map_structure(lambda t: t.numpy(), predict(batch)))

@@ -18,13 +18,23 @@ Encoders (BERT, ALBERT) use the same formula with N = num_layers x
 (ALBERT runs its shared layers num_layers times), plus ALBERT's E x C
 embedding projection. The masked-LM head (on ~15% of positions) and the
 pooler (once per sequence) are left out, a few percent at most.
+
+The peak is measured once per machine and kept (`cached_matmul_peak`):
+measuring takes seconds of every run's start-up, and one figure for a
+machine keeps the MFU of its runs comparable.
 """
 
+import hashlib
+import json
+import os
+import platform
+import tempfile
 import time
 
 import tensorflow as tf
 
 from tfgpt.distributed.tensor_parallel import whole_parameters
+from tfgpt.graph_function import graph_function
 
 
 def matmul_parameters(model):
@@ -106,7 +116,7 @@ def _chains_rate(dtype, towers, size, seconds):
         for tower in range(towers)
     ]
 
-    @tf.function
+    @graph_function
     def run(matrices):
         outputs = []
         for a in matrices:
@@ -127,3 +137,83 @@ def _chains_rate(dtype, towers, size, seconds):
         call()
         fastest = min(fastest, time.perf_counter() - begin)
     return towers * length * 2 * size**3 / fastest
+
+
+def cache_directory():
+    """Where tfgpt keeps what it measures once per machine.
+
+    `TFGPT_CACHE_DIR`, else `$XDG_CACHE_HOME/tfgpt`, else `~/.cache/tfgpt`.
+    """
+    if os.environ.get("TFGPT_CACHE_DIR"):
+        return os.environ["TFGPT_CACHE_DIR"]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "tfgpt")
+
+
+def _processor_name():
+    """The CPU's model name (`/proc/cpuinfo`), else what `platform` knows."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _machine_key(dtype, towers):
+    """What a measured peak depends on: the devices, the threads, the dtype and the towers."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count()
+    gpus = [
+        tf.config.experimental.get_device_details(gpu).get("device_name", gpu.name)
+        for gpu in tf.config.list_physical_devices("GPU")
+    ]
+    return {
+        "processor": _processor_name(), "cores": cores, "gpus": gpus,
+        "intra_op_threads": tf.config.threading.get_intra_op_parallelism_threads(),
+        "inter_op_threads": tf.config.threading.get_inter_op_parallelism_threads(),
+        "tensorflow": tf.__version__, "dtype": dtype, "towers": towers,
+    }
+
+
+def cached_matmul_peak(dtype="float32", towers=1, directory=None):
+    """`measure_matmul_peak(dtype, towers=towers)` for this machine, measured once.
+
+    The figure is kept in `directory/peak-flops/KEY.json` (default:
+    `cache_directory()`), KEY a digest of what the peak depends on (the
+    processor's name, the usable cores, the GPUs, the thread settings,
+    TensorFlow's version, `dtype` and `towers`). A file that is missing,
+    unreadable or for another key is measured again; a directory that
+    cannot be written costs only the saving. Delete the file to measure
+    again, or give the figure (`--peak-flops`).
+
+    Returns:
+        (float FLOP/s, str path of the file, bool whether it was measured now).
+    """
+    key = _machine_key(dtype, towers)
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    folder = os.path.join(directory or cache_directory(), "peak-flops")
+    path = os.path.join(folder, f"{digest}.json")
+    try:
+        with open(path) as file:
+            record = json.load(file)
+        if record["key"] == key and float(record["flops"]) > 0:
+            return float(record["flops"]), path, False
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    peak = measure_matmul_peak(dtype, towers=towers)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        # Ranks on one host may measure at once: each writes its own file
+        # and renames it into place, so a reader sees one whole record.
+        handle, partial = tempfile.mkstemp(dir=folder, suffix=".partial")
+        with os.fdopen(handle, "w") as file:
+            json.dump({"key": key, "flops": peak}, file)
+        os.replace(partial, path)
+    except OSError:
+        pass
+    return peak, path, True

@@ -332,14 +332,18 @@ def run_loop(config, distribution, report, *, model, optimizer, step, train_step
     # MFU: the model's FLOPs against this worker's peak, measured on the
     # towers and threads the steps run on.
     flops_per_token = flops.flops_per_token(model, sequence_length)
-    peak = config.peak_flops or flops.measure_matmul_peak(
-        "float32" if config.mixed_precision == "off" else config.mixed_precision,
-        towers=towers_of(config, distribution),
-    )
+    if config.peak_flops:
+        peak, basis = config.peak_flops, "given"
+    else:
+        peak, path, now = flops.cached_matmul_peak(
+            "float32" if config.mixed_precision == "off" else config.mixed_precision,
+            towers=towers_of(config, distribution),
+        )
+        basis = (f"{'measured now' if now else 'measured earlier on this machine'}: the fastest "
+                 f"1024^2 or 2048^2 matmul, one chain per tower; kept in {path}")
     report.info(
         f"MFU basis: {flops_per_token / 1e6:.1f} MFLOP per token (6N + 12 L C T), "
-        f"peak {peak / 1e9:.1f} GFLOP/s per worker "
-        f"({'given' if config.peak_flops else 'measured: the fastest 1024^2 or 2048^2 matmul, one chain per tower'})"
+        f"peak {peak / 1e9:.1f} GFLOP/s per worker ({basis})"
     )
     report.info(kernel_summary(config, distribution, model))
 

@@ -8,6 +8,7 @@ import tensorflow as tf
 
 from tfgpt import kernels
 from tfgpt.config.checks import require_positive_int
+from tfgpt.graph_function import graph_function
 from tfgpt.training import faults
 
 
@@ -181,13 +182,13 @@ class TrainStep:
         self._forward_backward = self._forward_backward_fn
         self._update = self._update_fn
         if "compute" in self.compiled:
-            self._forward_backward = tf.function(self._forward_backward_fn, jit_compile=True)
+            self._forward_backward = graph_function(self._forward_backward_fn, jit_compile=True)
         if "update" in self.compiled:
-            self._update = tf.function(self._update_fn, jit_compile=True)
+            self._update = graph_function(self._update_fn, jit_compile=True)
         if self.compiled == ("step",):
-            self._step = tf.function(self._replica_step, jit_compile=True)
+            self._step = graph_function(self._replica_step, jit_compile=True)
         else:
-            self._step = tf.function(lambda batch: distribution.run(self._replica_step, batch))
+            self._step = graph_function(lambda batch: distribution.run(self._replica_step, batch))
 
     def _towers_loss(self, batch):
         if self.towers == 1:
@@ -238,12 +239,22 @@ class TrainStep:
             return self._micro_batch(batch)
         micro = lambda index: tf.nest.map_structure(lambda t: t[index], batch)  # noqa: E731
         loss, metrics, gradients = self._micro_batch(micro(0))
-        for index in tf.range(1, count):
-            tf.autograph.experimental.set_loop_options(parallel_iterations=self._loop_parallelism)
+
+        def add_micro_batch(index, loss, metrics, gradients):
             next_loss, next_metrics, next_gradients = self._micro_batch(micro(index))
-            loss += next_loss
-            metrics = tf.nest.map_structure(tf.add, metrics, next_metrics)
-            gradients = [a + b for a, b in zip(gradients, next_gradients)]
+            return (
+                index + 1,
+                loss + next_loss,
+                tf.nest.map_structure(tf.add, metrics, next_metrics),
+                [a + b for a, b in zip(gradients, next_gradients)],
+            )
+
+        _, loss, metrics, gradients = tf.while_loop(
+            lambda index, *_: index < count,
+            add_micro_batch,
+            (tf.constant(1), loss, metrics, gradients),
+            parallel_iterations=self._loop_parallelism,
+        )
         scale = 1.0 / count
         return (
             loss * scale,
@@ -312,7 +323,7 @@ class EvalStep:
         self.model = model
         self.loss_fn = loss_fn
         self.zero = zero
-        self._step = tf.function(self._step_fn, jit_compile=xla and zero is None)
+        self._step = graph_function(self._step_fn, jit_compile=xla and zero is None)
 
     def _step_fn(self, batch):
         with self.zero.loss_scope() if self.zero else contextlib.nullcontext():
