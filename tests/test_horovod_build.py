@@ -77,3 +77,34 @@ def test_two_process_allreduce_average_matches_numpy():
     for rank in range(num_processes):
         # Both ranks must report, not just exit 0.
         assert f"rank {rank}/{num_processes} allreduce OK" in output, output
+
+
+def test_the_build_keeps_horovodruns_checks_beside_the_extension():
+    # The build's own --check-build answered the questions horovodrun asks
+    # before each launch; they are kept, keyed by the library's size and time.
+    import json
+
+    import horovod
+
+    library = next((Path(horovod.__file__).parent / "tensorflow").glob("mpi_lib*.so"))
+    checks = json.loads((library.parent / "built_checks.json").read_text())
+    status = library.stat()
+    assert checks[f"built with Gloo {status.st_size} {status.st_mtime_ns}"] is True, checks
+    assert checks[f"built with MPI {status.st_size} {status.st_mtime_ns}"] is False, checks
+
+
+def test_the_check_patch_refuses_a_source_it_does_not_know(tmp_path):
+    from scripts.patch_horovod_checks import KEPT_END, KEPT_START, START, main
+
+    common = tmp_path / "horovod" / "common"
+    common.mkdir(parents=True)
+    original = (f"import json\n\ndef _check_extension_lambda():\n{START}    queue = 1\n"
+                "    p.daemon = True\n    p.start()\n    p.join()\n    return queue.get_nowait()\n")
+    (common / "util.py").write_text(original)
+    assert main([str(tmp_path)]) == 0
+    patched = (common / "util.py").read_text()
+    assert KEPT_START + START in patched and patched.endswith(KEPT_END)
+    # Patched already, or another Horovod: the anchors are gone, nothing changes.
+    assert main([str(tmp_path)]) == 1
+    assert (common / "util.py").read_text() == patched
+    assert main([str(tmp_path / "missing")]) == 1
