@@ -1,8 +1,43 @@
-"""Fixtures shared by the training tests."""
+"""Fixtures shared by the training tests, and the suite's account of its time.
 
+At the end of a run the suite prints the time each test file took (its
+tests' set-up, call and tear-down, summed) and its own wall time against
+the budget, `TFGPT_TEST_BUDGET_MINUTES` (default 40): the whole suite must
+stay under it on a 2-core machine (bench/RESULTS.md, "Test suite").
+"""
+
+import collections
 import os
+import time
 
 import pytest
+
+BUDGET_MINUTES = float(os.environ.get("TFGPT_TEST_BUDGET_MINUTES", "40"))
+_FILE_SECONDS = collections.defaultdict(float)
+_FILE_TESTS = collections.Counter()
+_START = time.monotonic()
+
+
+def pytest_runtest_logreport(report):
+    path = report.nodeid.split("::")[0]
+    _FILE_SECONDS[path] += report.duration
+    if report.when == "call":
+        _FILE_TESTS[path] += 1
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _FILE_SECONDS:
+        return
+    write = terminalreporter.write_line
+    terminalreporter.section("time per test file (set-up, call and tear-down, summed)")
+    for path, seconds in sorted(_FILE_SECONDS.items(), key=lambda item: -item[1]):
+        write(f"{seconds:8.1f} s  {_FILE_TESTS[path]:4d} tests  {path}")
+    minutes = (time.monotonic() - _START) / 60
+    verdict = "within" if minutes <= BUDGET_MINUTES else "OVER"
+    terminalreporter.section(f"suite wall time {minutes:.1f} min: {verdict} the budget")
+    write(f"suite wall time {minutes:.1f} min, {verdict} the budget of {BUDGET_MINUTES:g} min "
+          "(TFGPT_TEST_BUDGET_MINUTES) on a 2-core machine; bench/RESULTS.md, 'Test suite', "
+          "has the table per machine")
 
 from tests.synthetic import pattern_corpus
 
