@@ -11,8 +11,15 @@ PY="$REPO_ROOT/.venv/bin/python"
 # Hide TF's C++ INFO lines (oneDNN notices, CPU feature banners); warnings stay.
 export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-1}"
 
+# Two pytest workers: the multi-process tests run one after another on one of
+# them, the rest beside them (tests/conftest.py). TFGPT_TEST_WORKERS=0 runs the
+# suite in this one process (for -x, --pdb, or a one-core machine).
+WORKERS="${TFGPT_TEST_WORKERS:-2}"
+xdist=()
+if [[ "$WORKERS" != "0" ]]; then xdist=(-n "$WORKERS" --dist loadgroup); fi
+
 rc=0
-"$PY" -m pytest tests -v -rs --durations=15 "$@" || rc=$?
+"$PY" -m pytest tests -v -rs --durations=15 "${xdist[@]}" "$@" || rc=$?
 if [[ "$rc" == "5" ]]; then
   # A run that tested nothing must not look green.
   echo "[run_tests] ERROR: pytest collected no tests (exit code 5); failing the run" >&2
