@@ -18,6 +18,7 @@ _FILE_TESTS = collections.Counter()
 _START = time.monotonic()
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (`-n 2 --dist loadgroup`, scripts/run_tests.sh) the
     tests that start several processes run one after another on one worker:

@@ -394,10 +394,11 @@ class HorovodDistribution(LocalDistribution):
         if self.tensor_slice is None:
             # Horovod's `broadcast_variables` traces the same ops with
             # AutoGraph: 1.8 s of a tiny run's start-up (tfgpt.graph_function).
-            broadcast = graph_function(lambda: tf.group(*[
-                variable.assign(self._hvd.broadcast(variable, root_rank=0))
-                for variable in tf_variables
-            ]))
+            @graph_function
+            def broadcast():
+                for variable in tf_variables:  # each assignment runs: it is stateful
+                    variable.assign(self._hvd.broadcast(variable, root_rank=0))
+
             broadcast()
             return
         if self._data_set is None:
