@@ -11,9 +11,12 @@ PY="$REPO_ROOT/.venv/bin/python"
 # Hide TF's C++ INFO lines (oneDNN notices, CPU feature banners); warnings stay.
 export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-1}"
 
-# Two pytest workers: the multi-process tests run one after another on one of
-# them, the rest beside them (tests/conftest.py). TFGPT_TEST_WORKERS=0 runs the
-# suite in this one process (for -x, --pdb, or a one-core machine).
+# Two pytest workers (pytest-xdist): much of a test's time is one process
+# importing TensorFlow or tracing, one core's work, so a second test fits beside
+# it, a multi-process one included (bench/RESULTS.md, "Test suite"). With no
+# test in an xdist group, --dist loadgroup hands the tests out one or two at a
+# time in their order, so no worker is left with a queue of its own at the end.
+# TFGPT_TEST_WORKERS=0 runs the suite in this one process (for -x or --pdb).
 WORKERS="${TFGPT_TEST_WORKERS:-2}"
 xdist=()
 if [[ "$WORKERS" != "0" ]]; then xdist=(-n "$WORKERS" --dist loadgroup); fi

@@ -18,20 +18,6 @@ _FILE_TESTS = collections.Counter()
 _START = time.monotonic()
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
-def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (`-n 2 --dist loadgroup`, scripts/run_tests.sh) the
-    tests that start several processes run one after another on one worker:
-    each takes both cores already, and run side by side their ranks would
-    contend past their timeouts. The single-process tests share the other
-    worker and the gaps."""
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
-    for item in items:
-        if item.get_closest_marker("distributed"):
-            item.add_marker(pytest.mark.xdist_group("processes"))
-
-
 def pytest_runtest_logreport(report):
     path = report.nodeid.split("::")[0]
     _FILE_SECONDS[path] += report.duration
