@@ -12,6 +12,8 @@ import time
 
 import pytest
 
+from tests.synthetic import pattern_corpus
+
 BUDGET_MINUTES = float(os.environ.get("TFGPT_TEST_BUDGET_MINUTES", "40"))
 _FILE_SECONDS = collections.defaultdict(float)
 _FILE_TESTS = collections.Counter()
@@ -38,8 +40,6 @@ def pytest_terminal_summary(terminalreporter):
     write(f"suite wall time {minutes:.1f} min, {verdict} the budget of {BUDGET_MINUTES:g} min "
           "(TFGPT_TEST_BUDGET_MINUTES) on a 2-core machine; bench/RESULTS.md, 'Test suite', "
           "has the table per machine")
-
-from tests.synthetic import pattern_corpus
 
 
 @pytest.fixture(scope="session")

@@ -76,6 +76,7 @@ if __name__ == "__main__":
 import tensorflow as tf  # noqa: E402
 
 from tfgpt import decoding, kernels  # noqa: E402
+from tfgpt.graph_function import graph_function  # noqa: E402
 
 
 class GenerationModule(tf.Module):
@@ -133,7 +134,7 @@ class GenerationModule(tf.Module):
                 tf.constant(stop_token_ids, tf.int32, shape=[len(stop_token_ids)]),
             )
 
-        self._decode = tf.function(run_decoder, jit_compile=jit_compile, autograph=False)
+        self._decode = graph_function(run_decoder, jit_compile=jit_compile)
 
     @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="prompts")])
     def generate(self, prompts):
