@@ -14,6 +14,7 @@ import pytest
 from tfgpt.config.distribution import localhost_cluster
 
 REPO = Path(__file__).resolve().parent.parent
+MANY = REPO / "tests" / "hvd_scripts" / "many.py"
 HOROVODRUN = Path(sys.executable).parent / "horovodrun"
 # A hung rendezvous must fail the test, not block CI.
 TIMEOUT_SECONDS = 300
@@ -184,6 +185,26 @@ def run_and_load(script, directory, tag, ranks, *flags):
         code, output = horovodrun(ranks, script, directory, tag, *flags)
     assert code == 0, output
     return [np.load(directory / f"{tag}-rank-{rank}.npz") for rank in range(max(ranks, 1))]
+
+
+def run_each(script, directory, ranks, runs):
+    """`run_and_load` for several runs in one launch (`tests/hvd_scripts/many.py`).
+
+    `runs` is a list of `(tag, *flags)`: the runs go one after another in
+    the same processes, each as it would alone. Returns `{tag: files}`.
+    """
+    import numpy as np
+
+    runs = [[str(directory), str(tag), *map(str, flags)] for tag, *flags in runs]
+    if ranks == 0:
+        runs = [[*run[:2], "--global", *run[2:]] for run in runs]
+        command = [sys.executable, MANY, script, json.dumps(runs)]
+        code, output = run(command)
+    else:
+        code, output = horovodrun(ranks, MANY, script, json.dumps(runs))
+    assert code == 0, output
+    return {tag: [np.load(directory / f"{tag}-rank-{rank}.npz") for rank in range(max(ranks, 1))]
+            for _, tag, *_ in runs}
 
 
 def saved_weights(result):

@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.launch import REPO, horovodrun, run, run_and_load, saved_weights
+from tests.launch import MANY, REPO, horovodrun, run, run_and_load, run_each, saved_weights
 
 SCRIPT = REPO / "tests" / "hvd_scripts" / "zero_check.py"
 TINY_MODEL = [
@@ -78,81 +78,81 @@ def _assert_weights_close(results, oracle, atol, what):
 def test_stages_match_whole_state_and_one_process_adamw_with_clipping(tmp_path):
     flags = ["--clip", "0.3"]
     oracle = _train(tmp_path, "global", 0, *flags)[0]
-    stage0 = _train(tmp_path, "s0", 2, "--stage", "0", *flags)
+    runs = run_each(SCRIPT, tmp_path, 2, [
+        *[(f"s{stage}", "--stage", stage, *flags) for stage in range(4)],
+        # --xla compiles the forward and backward pass; the collectives stay outside.
+        ("s2-xla", "--stage", "2", "--xla", *flags),
+    ])
+    stage0 = runs["s0"]
     _assert_weights_close(stage0, oracle, 1e-5, "stage 0 against one process")
     for stage in (1, 2, 3):
-        results = _train(tmp_path, f"s{stage}", 2, "--stage", str(stage), *flags)
+        results = runs[f"s{stage}"]
         _assert_weights_close(results, oracle, 1e-5, f"stage {stage} against one process")
         _assert_weights_close(results, stage0[0], 1e-5, f"stage {stage} against stage 0")
         np.testing.assert_allclose(results[0]["norms"], oracle["norms"], rtol=1e-5)
     # Clipping was active: the first steps' norms are above the clip.
     assert oracle["norms"][0] > 0.3
-    # --xla compiles the forward and backward pass; the collectives stay outside.
-    results = _train(tmp_path, "s2-xla", 2, "--stage", "2", "--xla", *flags)
-    _assert_weights_close(results, oracle, 1e-5, "stage 2 with --xla against one process")
+    _assert_weights_close(runs["s2-xla"], oracle, 1e-5, "stage 2 with --xla against one process")
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_uneven_shards_on_three_ranks_lamb_with_accumulation_and_clipping(tmp_path):
+def test_three_ranks_uneven_shards_lamb_accumulation_clipping_and_stage_3_recompute(tmp_path):
     # 3 ranks: the tiny GPT's first dimensions (37, 7, 8, 24, ...) mostly do
     # not divide by 3, and the 8-row tables leave one rank fewer rows.
-    flags = ["--optimizer", "lamb", "--clip", "0.3", "--accumulation", "2"]
-    oracle = _train(tmp_path, "global", 0, *flags)[0]
+    lamb = ["--optimizer", "lamb", "--clip", "0.3", "--accumulation", "2"]
+    oracles = run_each(SCRIPT, tmp_path, 0, [("lamb", *lamb), ("adamw", "--accumulation", "2")])
+    runs = run_each(SCRIPT, tmp_path, 3, [
+        *[(f"lamb-s{stage}", "--stage", stage, *lamb) for stage in (1, 2, 3)],
+        ("recompute-s3", "--stage", "3", "--recompute", "--accumulation", "2"),
+    ])
     for stage in (1, 2, 3):
-        results = _train(tmp_path, f"s{stage}", 3, "--stage", str(stage), *flags)
-        _assert_weights_close(results, oracle, 1e-5, f"LAMB, stage {stage}, 3 ranks")
+        _assert_weights_close(runs[f"lamb-s{stage}"], oracles["lamb"][0], 1e-5,
+                              f"LAMB, stage {stage}, 3 ranks")
+    _assert_weights_close(runs["recompute-s3"], oracles["adamw"][0], 1e-5,
+                          "stage 3 with --recompute")
 
 
 @pytest.mark.distributed
-@pytest.mark.slow
-def test_stage_3_with_recompute_and_accumulation_on_three_ranks(tmp_path):
-    flags = ["--accumulation", "2"]
-    oracle = _train(tmp_path, "global", 0, *flags)[0]
-    results = _train(tmp_path, "s3", 3, "--stage", "3", "--recompute", *flags)
-    _assert_weights_close(results, oracle, 1e-5, "stage 3 with --recompute")
-
-
-@pytest.mark.distributed
-@pytest.mark.parametrize("recompute", [False, True])
-def test_stage_3_gathers_one_block_after_another(tmp_path, recompute):
+def test_stage_3_gathers_one_block_after_another(tmp_path):
     # Nothing but a dependency orders a graph's ops: unless each block's
     # all-gather waits for the block's input, every block's (and with
     # --recompute, every recomputation's) gather may run at the start of
     # the step, and the whole model exists at once.
-    flags = ["--stage", "3", "--gather-order"] + (["--recompute"] if recompute else [])
-    code, output = horovodrun(2, SCRIPT, tmp_path, "order", *flags)
+    runs = {recompute: [tmp_path, f"order-{recompute}", "--stage", "3", "--gather-order"]
+            + (["--recompute"] if recompute else []) for recompute in (False, True)}
+    code, output = horovodrun(2, MANY, SCRIPT, json.dumps([list(map(str, run))
+                                                           for run in runs.values()]))
     assert code == 0, output
-    for rank in range(2):
-        before = json.loads((tmp_path / f"order-rank-{rank}.json").read_text())
-        # The rest of the model (embeddings, final norm) first, then the 3
-        # blocks; recomputed in the backward pass, the 3 blocks again.
-        gathers = 1 + 3 * (2 if recompute else 1)
-        # One chain: the k-th gather depends on all k - 1 before it.
-        assert sorted(before.values()) == list(range(gathers)), before
+    for recompute in runs:
+        for rank in range(2):
+            before = json.loads((tmp_path / f"order-{recompute}-rank-{rank}.json").read_text())
+            # The rest of the model (embeddings, final norm) first, then the 3
+            # blocks; recomputed in the backward pass, the 3 blocks again.
+            gathers = 1 + 3 * (2 if recompute else 1)
+            # One chain: the k-th gather depends on all k - 1 before it.
+            assert sorted(before.values()) == list(range(gathers)), (recompute, before)
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_float16_overflow_on_one_rank_is_skipped_by_every_rank(tmp_path):
-    flags = ["--precision", "float16", "--overflow-step", "2"]
-    stage0 = _train(tmp_path, "s0", 2, "--stage", "0", *flags)
-    stage3 = _train(tmp_path, "s3", 2, "--stage", "3", *flags)
-    for result in stage0 + stage3:
+def test_float16_overflow_is_skipped_by_every_rank_and_bfloat16_stage_2_matches_stage_0(
+        tmp_path):
+    float16 = ["--precision", "float16", "--overflow-step", "2"]
+    bfloat16 = ["--precision", "bfloat16"]
+    runs = run_each(SCRIPT, tmp_path, 2, [
+        ("f16-s0", "--stage", "0", *float16), ("f16-s3", "--stage", "3", *float16),
+        ("bf16-s0", "--stage", "0", *bfloat16), ("bf16-s2", "--stage", "2", *bfloat16),
+    ])
+    for result in runs["f16-s0"] + runs["f16-s3"]:
         # 6 steps, one skipped: rank 0's loss alone was infinite at step 3.
         assert int(result["iterations"]) == 5
     # float16 activations: one process and 2 ranks of stage 0 differ by
     # about 8e-4 here (another order of the same sums), so 5e-3.
-    _assert_weights_close(stage3, stage0[0], 5e-3, "float16 stage 3 against stage 0")
-
-
-@pytest.mark.distributed
-@pytest.mark.slow
-def test_bfloat16_stage_2_matches_stage_0_to_its_precision(tmp_path):
-    flags = ["--precision", "bfloat16"]
-    stage0 = _train(tmp_path, "s0", 2, "--stage", "0", *flags)
-    stage2 = _train(tmp_path, "s2", 2, "--stage", "2", *flags)
-    _assert_weights_close(stage2, stage0[0], 2e-2, "bfloat16 stage 2 against stage 0")
+    _assert_weights_close(runs["f16-s3"], runs["f16-s0"][0], 5e-3,
+                          "float16 stage 3 against stage 0")
+    _assert_weights_close(runs["bf16-s2"], runs["bf16-s0"][0], 2e-2,
+                          "bfloat16 stage 2 against stage 0")
 
 
 # ---- Checkpoints that outlive the world size -----------------------------------
@@ -161,33 +161,45 @@ def test_bfloat16_stage_2_matches_stage_0_to_its_precision(tmp_path):
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_a_stage_3_checkpoint_of_two_ranks_resumes_on_one_and_three_and_back(tmp_path):
-    straight = _train(tmp_path, "straight", 2, "--stage", "3")[0]
-    checkpoint = tmp_path / "checkpoint"
-    _train(tmp_path, "first-half", 2, "--stage", "3", "--stop-at", "3",
-           "--checkpoint", checkpoint)
+    checkpoint, single = tmp_path / "checkpoint", tmp_path / "single"
+    # The resumes read copies: each must find the checkpoint as it was written.
+    copies = {(ranks, stage): tmp_path / f"copy-{ranks}-{stage}"
+              for ranks, stage in ((1, 3), (3, 3), (3, 1), (2, 0))}
+
+    def resume(ranks, stage):
+        return (f"resumed-{ranks}-{stage}", "--stage", stage, "--checkpoint", copies[ranks, stage])
+
+    first = run_each(SCRIPT, tmp_path, 2, [
+        ("straight", "--stage", "3"),
+        ("first-half", "--stage", "3", "--stop-at", "3", "--checkpoint", checkpoint),
+    ])
+    straight = first["straight"][0]
     layout = json.loads((checkpoint / "zero" / "ckpt-3" / "layout.json").read_text())
     assert layout["world_size"] == 2 and layout["stage"] == 3
     assert sorted(os.listdir(checkpoint / "zero" / "ckpt-3")) == [
         "layout.json", "rank-00000-of-00002.npz", "rank-00001-of-00002.npz"]
-    for ranks, stage in ((1, 3), (3, 3), (3, 1), (2, 0)):
-        resumed_from = tmp_path / f"copy-{ranks}-{stage}"
-        shutil.copytree(checkpoint, resumed_from)
-        results = _train(tmp_path, f"resumed-{ranks}-{stage}", ranks, "--stage", str(stage),
-                         "--checkpoint", resumed_from)
-        assert int(results[0]["start"]) == 3
-        np.testing.assert_allclose(results[0]["losses"], straight["losses"][3:], rtol=0,
-                                   atol=1e-5, err_msg=f"{ranks} ranks, stage {stage}")
-        _assert_weights_close(results, straight, 1e-5, f"resumed on {ranks}, stage {stage}")
-    # And the other way: one worker's stage 3 checkpoint resumed on two.
-    single = tmp_path / "single"
-    _train(tmp_path, "single-first-half", 1, "--stage", "3", "--stop-at", "3",
-           "--checkpoint", single)
+    for copy in copies.values():
+        shutil.copytree(checkpoint, copy)
+    # And the other way: one worker's stage 3 checkpoint (written in the
+    # one-rank launch) resumed on two.
+    results = run_each(SCRIPT, tmp_path, 1, [
+        resume(1, 3), ("single-first-half", "--stage", "3", "--stop-at", "3",
+                       "--checkpoint", single)])
+    results.update(run_each(SCRIPT, tmp_path, 3, [resume(3, 3), resume(3, 1)]))
+    results.update(run_each(SCRIPT, tmp_path, 2, [
+        resume(2, 0), ("resumed-from-one", "--stage", "3", "--checkpoint", single)]))
     assert sorted(os.listdir(single / "zero" / "ckpt-3")) == [
         "layout.json", "rank-00000-of-00001.npz"]
-    results = _train(tmp_path, "resumed-from-one", 2, "--stage", "3", "--checkpoint", single)
-    assert int(results[0]["start"]) == 3
-    np.testing.assert_allclose(results[0]["losses"], straight["losses"][3:], rtol=0, atol=1e-5)
-    _assert_weights_close(results, straight, 1e-5, "one worker's checkpoint resumed on 2")
+    for (ranks, stage) in copies:
+        resumed = results[f"resumed-{ranks}-{stage}"]
+        assert int(resumed[0]["start"]) == 3
+        np.testing.assert_allclose(resumed[0]["losses"], straight["losses"][3:], rtol=0,
+                                   atol=1e-5, err_msg=f"{ranks} ranks, stage {stage}")
+        _assert_weights_close(resumed, straight, 1e-5, f"resumed on {ranks}, stage {stage}")
+    resumed = results["resumed-from-one"]
+    assert int(resumed[0]["start"]) == 3
+    np.testing.assert_allclose(resumed[0]["losses"], straight["losses"][3:], rtol=0, atol=1e-5)
+    _assert_weights_close(resumed, straight, 1e-5, "one worker's checkpoint resumed on 2")
 
 
 def _shard_files(run_dir, step):

@@ -51,7 +51,7 @@ def batches(rows=ROWS, vocabulary=VOCABULARY):
             for _ in range(STEPS)]
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("tag")
@@ -71,7 +71,7 @@ def main():
     parser.add_argument("--rows", type=int, default=ROWS)
     parser.add_argument("--tensor", type=int, default=1)
     parser.add_argument("--vocabulary", type=int, default=VOCABULARY)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     if not args.global_batch:
         # Before TensorFlow starts: it sets the threads.

@@ -47,7 +47,7 @@ def batches_of(index, count, steps):
     ]
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("tag")
@@ -58,7 +58,7 @@ def main():
     parser.add_argument("--untied", action="store_true")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--zero-stage", type=int, default=0)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     if args.global_batch:
         from tfgpt.distributed.local import LocalDistribution

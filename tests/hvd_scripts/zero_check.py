@@ -55,7 +55,7 @@ def batches_of(rank, size, accumulation):
     ]
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("tag")
@@ -72,7 +72,7 @@ def main():
     parser.add_argument("--checkpoint")
     parser.add_argument("--stop-at", type=int, default=0)
     parser.add_argument("--gather-order", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     if args.global_batch:
         from tfgpt.distributed.local import LocalDistribution

@@ -1,0 +1,64 @@
+"""Several runs of one check script in one process: `many.py SCRIPT RUNS`.
+
+RUNS is a JSON list; each item is one run's arguments to SCRIPT (`OUT TAG
+FLAGS...`), which must define `main(argv)`. The runs go one after another,
+in order, each from a cleared Keras session (layer names, the random seed
+generators, the dtype policy), so each starts as it would in a process of
+its own. A Horovod process set a run added is removed when it ends (every
+rank removes it: the call is collective), so the next run's layout adds
+its own. Under `horovodrun` every rank runs the same list.
+
+What it saves: one start-up (horovodrun, importing TensorFlow, `hvd.init`)
+for all the runs of one launch instead of one each (`tests/launch.py`,
+`run_each`).
+"""
+
+import importlib.util
+import json
+import os
+import sys
+
+
+def main(script, runs):
+    # Layouts with tensor or pipeline groups add process sets after hvd.init;
+    # set before any run starts Horovod.
+    os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
+    spec = importlib.util.spec_from_file_location("check_script", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    import keras
+
+    for index, argv in enumerate(runs):
+        if index:
+            keras.backend.clear_session()
+        added = _watch_process_sets()
+        module.main([str(argument) for argument in argv])
+        if added is not None:
+            hvd, sets = added
+            hvd.add_process_set = hvd.add_process_set.original
+            for process_set in sets:
+                hvd.remove_process_set(process_set)
+
+
+def _watch_process_sets():
+    """Records the process sets added from now on: (hvd, [sets]), or None
+    when this run does not use Horovod."""
+    try:
+        import horovod.tensorflow as hvd
+    except ImportError:
+        return None
+    added = []
+    original = hvd.add_process_set
+
+    def add_process_set(ranks):
+        process_set = original(ranks)
+        added.append(process_set)
+        return process_set
+
+    add_process_set.original = original
+    hvd.add_process_set = add_process_set
+    return hvd, added
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], json.loads(sys.argv[2]))
