@@ -10,7 +10,7 @@ process trained through `TrainStep` on the same batches (`--global`).
 import numpy as np
 import pytest
 
-from tests.launch import REPO, horovodrun, saved_weights, run_and_load
+from tests.launch import REPO, horovodrun, run_and_load, run_each, saved_weights
 
 SCRIPT = REPO / "tests" / "hvd_scripts" / "pipeline_check.py"
 
@@ -108,14 +108,30 @@ def _assert_same_training(results, oracle, what):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_each_schedule_matches_one_process_with_clipping(tmp_path):
-    flags = ["--clip", "0.3"]
-    oracle = _train(tmp_path, "global", 0, *flags)[0]
+def test_each_schedule_two_pipelines_and_bfloat16_match_one_process(tmp_path):
+    clip = ["--clip", "0.3"]
+    oracles = run_each(SCRIPT, tmp_path, 0, [("global", *clip),
+                                             ("global-bf16", "--precision", "bfloat16")])
+    oracle = oracles["global"][0]
     assert oracle["norms"][0] > 0.3  # clipping acts: the norm must be global to match
-    for name, extra in [("gpipe", []), ("1f1b", []), ("interleaved", ["--virtual-stages", "2"])]:
-        results = _train(tmp_path, name, 2, "--schedule", name, "--microbatches", "4",
-                         *extra, *flags)
-        _assert_same_training(results, oracle, name)
+    schedules = [("gpipe", []), ("1f1b", []), ("interleaved", ["--virtual-stages", "2"])]
+    runs = run_each(SCRIPT, tmp_path, 2, [
+        *[(name, "--schedule", name, "--microbatches", "4", *extra, *clip)
+          for name, extra in schedules],
+        # Horovod's alltoall has no bfloat16: the activations and their
+        # gradients travel as their uint16 bits, so nothing is rounded twice.
+        ("bf16", "--precision", "bfloat16", "--schedule", "1f1b"),
+    ])
+    for name, _ in schedules:
+        _assert_same_training(runs[name], oracle, name)
+    # Micro-batches change where bfloat16 rounds: the losses agree to its precision.
+    np.testing.assert_allclose(runs["bf16"][1]["losses"], oracles["global-bf16"][0]["losses"],
+                               rtol=0, atol=2e-2)
+    # -np 4: 2 data-parallel replicas x 2 stages, each pipeline on half the
+    # rows; the stages' gradients averaged over the replicas, clipping by the
+    # norm over the whole model.
+    results = _train(tmp_path, "pp2-dp2", 4, "--stages", "2", "--microbatches", "3", *clip)
+    _assert_same_training(results, oracle, "2 pipelines of 2 stages")
 
 
 @pytest.mark.distributed
@@ -126,46 +142,26 @@ def test_untied_balanced_and_awkward_microbatch_counts(tmp_path):
     # last stage).
     flags = ["--untied", "--layers", "3", "--partition", "balanced"]
     oracle = _train(tmp_path, "global", 0, *flags)[0]
-    for name, count in [("gpipe", "1"), ("1f1b", "1"), ("gpipe", "3"), ("1f1b", "3")]:
-        results = _train(tmp_path, f"{name}-{count}", 2, "--schedule", name,
-                         "--microbatches", count, *flags)
-        _assert_same_training(results, oracle, f"{name} M={count}")
+    counts = [("gpipe", "1"), ("1f1b", "1"), ("gpipe", "3"), ("1f1b", "3")]
+    runs = run_each(SCRIPT, tmp_path, 2, [
+        (f"{name}-{count}", "--schedule", name, "--microbatches", count, *flags)
+        for name, count in counts])
+    for name, count in counts:
+        _assert_same_training(runs[f"{name}-{count}"], oracle, f"{name} M={count}")
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_dropout_gives_the_same_losses_run_to_run(tmp_path):
     flags = ["--schedule", "1f1b", "--dropout", "0.2"]
+    # Two processes: the masks must not depend on anything but the seeds.
     first = _train(tmp_path, "first", 2, *flags)
-    second = _train(tmp_path, "second", 2, *flags)
-    plain = _train(tmp_path, "plain", 2, "--schedule", "1f1b")
+    runs = run_each(SCRIPT, tmp_path, 2, [("second", *flags), ("plain", "--schedule", "1f1b")])
+    second, plain = runs["second"], runs["plain"]
     np.testing.assert_array_equal(first[0]["losses"], second[0]["losses"])
     for a, b in zip(_weights(first[1]), _weights(second[1])):
         np.testing.assert_array_equal(a, b)
     assert not np.allclose(first[0]["losses"], plain[0]["losses"])  # dropout did act
-
-
-@pytest.mark.distributed
-@pytest.mark.slow
-def test_two_pipelines_of_two_stages_match_one_process(tmp_path):
-    # -np 4: 2 data-parallel replicas x 2 stages, each pipeline on half the
-    # rows; the stages' gradients averaged over the replicas, clipping by the
-    # norm over the whole model.
-    flags = ["--clip", "0.3"]
-    oracle = _train(tmp_path, "global", 0, *flags)[0]
-    results = _train(tmp_path, "pp2-dp2", 4, "--stages", "2", "--microbatches", "3", *flags)
-    _assert_same_training(results, oracle, "2 pipelines of 2 stages")
-
-
-@pytest.mark.distributed
-@pytest.mark.slow
-def test_bfloat16_activations_cross_between_stages(tmp_path):
-    # Horovod's alltoall has no bfloat16: the activations and their
-    # gradients travel as their uint16 bits, so nothing is rounded twice.
-    oracle = _train(tmp_path, "global", 0, "--precision", "bfloat16")[0]
-    results = _train(tmp_path, "bf16", 2, "--precision", "bfloat16", "--schedule", "1f1b")
-    # Micro-batches change where bfloat16 rounds: the losses agree to its precision.
-    np.testing.assert_allclose(results[1]["losses"], oracle["losses"], rtol=0, atol=2e-2)
 
 
 @pytest.mark.distributed

@@ -12,7 +12,7 @@ import itertools
 import numpy as np
 import pytest
 
-from tests.launch import REPO, horovodrun, run_and_load
+from tests.launch import REPO, horovodrun, run_and_load, run_each
 from tfgpt.distributed.layout import ParallelLayout
 
 OPERATORS_SCRIPT = REPO / "tests" / "hvd_scripts" / "tensor_parallel_check.py"
@@ -131,23 +131,33 @@ def _assert_slices_join_to(results, tensor, oracle, atol):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("ranks, flags", [
-    (2, ["--clip", "0.5"]),  # TP2: the clipping needs the global gradient norm
-    (2, ["--untied"]),  # a vocabulary-parallel lm_head of its own
-    (4, ["--clip", "0.5"]),  # TP2 x DP2: gradients averaged over the data groups
-])
-def test_tensor_parallel_training_matches_one_process(tmp_path, ranks, flags):
-    oracle = _train(tmp_path, "one", 0, *flags)[0]
-    results = _train(tmp_path, "split", ranks, "--tensor", "2", *flags)
-    # Split: per block the heads' projections in and out (3 variables), the
-    # MLP's (3); the token embedding, and an untied lm_head.
-    split = len([key for key in results[0] if key.startswith("rule_")])
-    assert split == 2 * 6 + 1 + ("--untied" in flags)
-    for result in results:
-        np.testing.assert_allclose(result["losses"], oracle["losses"], rtol=0, atol=1e-5)
-        np.testing.assert_allclose(result["norms"], oracle["norms"], rtol=0, atol=1e-5)
-    assert not np.allclose(oracle["losses"][0], oracle["losses"][-1])  # it trained
-    _assert_slices_join_to(results, 2, oracle, atol=1e-5)
+def test_tensor_parallel_training_matches_one_process(tmp_path):
+    cases = {
+        "tp2-clip": (2, ["--clip", "0.5"]),  # TP2: the clipping needs the global gradient norm
+        "tp2-untied": (2, ["--untied"]),  # a vocabulary-parallel lm_head of its own
+        "tp2-dp2-clip": (4, ["--clip", "0.5"]),  # TP2 x DP2: gradients averaged over the data groups
+    }
+    oracles = run_each(TRAIN_SCRIPT, tmp_path, 0, [("one-clip", "--clip", "0.5"),
+                                                   ("one-untied", "--untied")])
+    runs = run_each(TRAIN_SCRIPT, tmp_path, 2, [
+        (tag, "--tensor", "2", *flags) for tag, (ranks, flags) in cases.items() if ranks == 2])
+    runs.update(run_each(TRAIN_SCRIPT, tmp_path, 4, [
+        (tag, "--tensor", "2", *flags) for tag, (ranks, flags) in cases.items() if ranks == 4]))
+    for tag, (ranks, flags) in cases.items():
+        oracle = oracles["one-untied" if "--untied" in flags else "one-clip"][0]
+        results = runs[tag]
+        assert len(results) == ranks
+        # Split: per block the heads' projections in and out (3 variables), the
+        # MLP's (3); the token embedding, and an untied lm_head.
+        split = len([key for key in results[0] if key.startswith("rule_")])
+        assert split == 2 * 6 + 1 + ("--untied" in flags), tag
+        for result in results:
+            np.testing.assert_allclose(result["losses"], oracle["losses"], rtol=0, atol=1e-5,
+                                       err_msg=tag)
+            np.testing.assert_allclose(result["norms"], oracle["norms"], rtol=0, atol=1e-5,
+                                       err_msg=tag)
+        assert not np.allclose(oracle["losses"][0], oracle["losses"][-1])  # it trained
+        _assert_slices_join_to(results, 2, oracle, atol=1e-5)
 
 
 @pytest.mark.distributed

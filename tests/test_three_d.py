@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from tests.launch import (
-    REPO, assert_same_train_losses, horovodrun, run_and_load, saved_weights, train_losses,
+    REPO, assert_same_train_losses, horovodrun, run_each, saved_weights,
+    train_losses,
 )
 from tfgpt.config.distribution import HorovodOptions
 
@@ -52,31 +53,29 @@ def _assert_slices_join_to_the_oracle(results, oracle, tensor, what):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_two_stages_of_two_slices_match_one_process(tmp_path):
+def test_two_stages_of_two_slices_and_a_vocabulary_parallel_head_match_one_process(tmp_path):
     # -np 4: stage 0 on ranks 0-1, stage 1 on ranks 2-3, each split in 2
     # slices; clipping acts, so the norm must count every stage and slice.
-    flags = ["--clip", "0.3", *VOCABULARY]
-    oracle = run_and_load(SCRIPT, tmp_path, "global", 0, *flags)[0]
+    clip = ["--clip", "0.3", *VOCABULARY]
+    # With gpipe, the untied lm_head's V/T columns on each rank of the last stage.
+    untied = ["--untied", "--layers", "3", *VOCABULARY]
+    oracles = run_each(SCRIPT, tmp_path, 0, [("global", *clip), ("global-untied", *untied)])
+    oracle = oracles["global"][0]
     assert oracle["norms"][0] > 0.3
     assert not np.allclose(oracle["losses"][0], oracle["losses"][-1])  # it trained
-    results = run_and_load(SCRIPT, tmp_path, "1f1b", 4, "--tensor", "2", "--stages", "2",
-                           "--schedule", "1f1b", "--microbatches", "4", *flags)
+    runs = run_each(SCRIPT, tmp_path, 4, [
+        ("1f1b", "--tensor", "2", "--stages", "2", "--schedule", "1f1b", "--microbatches", "4",
+         *clip),
+        ("gpipe", "--tensor", "2", "--stages", "2", "--schedule", "gpipe", "--microbatches", "2",
+         *untied),
+    ])
     # Split per block: the heads' projections in and out (3 variables), the
     # MLP's (3); and the token embedding.
-    assert len([key for key in results[0] if key.startswith("rule_")]) == 4 * 6 + 1
-    _assert_slices_join_to_the_oracle(results, oracle, 2, "1f1b")
-
-
-@pytest.mark.distributed
-@pytest.mark.slow
-def test_gpipe_with_a_vocabulary_parallel_head_of_its_own_matches_one_process(tmp_path):
-    # The untied lm_head's V/T columns on each rank of the last stage.
-    flags = ["--untied", "--layers", "3", *VOCABULARY]
-    oracle = run_and_load(SCRIPT, tmp_path, "global", 0, *flags)[0]
-    results = run_and_load(SCRIPT, tmp_path, "gpipe", 4, "--tensor", "2", "--stages", "2",
-                           "--schedule", "gpipe", "--microbatches", "2", *flags)
-    assert len([key for key in results[0] if key.startswith("rule_")]) == 3 * 6 + 2
-    _assert_slices_join_to_the_oracle(results, oracle, 2, "gpipe, untied")
+    assert len([key for key in runs["1f1b"][0] if key.startswith("rule_")]) == 4 * 6 + 1
+    _assert_slices_join_to_the_oracle(runs["1f1b"], oracle, 2, "1f1b")
+    assert len([key for key in runs["gpipe"][0] if key.startswith("rule_")]) == 3 * 6 + 2
+    _assert_slices_join_to_the_oracle(runs["gpipe"], oracles["global-untied"][0], 2,
+                                      "gpipe, untied")
 
 
 # ---- train_hvd.py end to end -------------------------------------------------------
