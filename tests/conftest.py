@@ -1,5 +1,6 @@
 """Fixtures shared by the training tests, and the suite's account of its time.
 
+The multi-process tests run first (`pytest_collection_modifyitems`).
 At the end of a run the suite prints the time each test file took (its
 tests' set-up, call and tear-down, summed) and its own wall time against
 the budget, `TFGPT_TEST_BUDGET_MINUTES` (default 40): the whole suite must
@@ -18,6 +19,19 @@ BUDGET_MINUTES = float(os.environ.get("TFGPT_TEST_BUDGET_MINUTES", "40"))
 _FILE_SECONDS = collections.defaultdict(float)
 _FILE_TESTS = collections.Counter()
 _START = time.monotonic()
+
+
+def pytest_collection_modifyitems(items):
+    """The multi-process tests first (the slow ones before the others), then
+    the other slow ones, then the rest, each kind in file order: two workers
+    that take the tests in this order start on the long ones together and
+    end on short ones, not with one long test left on one worker."""
+
+    def kind(item):
+        marks = {mark.name for mark in item.iter_markers()}
+        return ("distributed" not in marks) * 2 + ("slow" not in marks)
+
+    items.sort(key=kind)  # stable: the order within a kind stays
 
 
 def pytest_runtest_logreport(report):
