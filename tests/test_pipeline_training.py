@@ -1,5 +1,6 @@
 """train_hvd.py --pipeline-parallel end to end: flags, refusals, checkpoints, resume."""
 
+import json
 import os
 import sys
 
@@ -161,16 +162,14 @@ def test_pipeline_run_resumes_as_uninterrupted_and_saves_an_ordinary_model(tiny_
     assert losses[4] < losses[1]
     assert train_losses(cut)[3] == pytest.approx(losses[3], abs=1e-5)
     # The chief's checkpoint is a whole GPT, read as any other.
-    code, output = run([sys.executable, "-c", (
-        "import json, tensorflow as tf, numpy as np\n"
-        "from tfgpt import GPT\n"
-        f"config = json.load(open('{whole}/config.json'))['model']\n"
-        "model = GPT(**config)\n"
-        f"tf.train.Checkpoint(model=model).restore('{whole}/ckpt-4').expect_partial()"
-        ".assert_existing_objects_matched()\n"
-        "print('logits', model(tf.constant([[1, 2, 3]])).shape)\n")])
-    assert code == 0, output
-    assert "logits (1, 3, 300)" in output
+    import tensorflow as tf
+
+    from tfgpt import GPT
+
+    model = GPT(**json.loads((whole / "config.json").read_text())["model"])
+    tf.train.Checkpoint(model=model).restore(str(whole / "ckpt-4")).expect_partial() \
+        .assert_existing_objects_matched()
+    assert model(tf.constant([[1, 2, 3]])).shape == (1, 3, 300)
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -190,9 +189,11 @@ def test_splitting_into_no_layout_or_a_wrong_one_is_one_error_line(capsys, flags
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_a_pipeline_checkpoint_merged_and_split_resumes_on_other_layouts(tiny_data, tmp_path):
+def test_a_pipeline_checkpoint_merged_and_split_resumes_on_other_layouts(tiny_data, tmp_path,
+                                                                        capsys):
     from tfgpt.training.checkpointing import Checkpointer
     from tfgpt.training.tensor_checkpoint import check_pipeline_cut
+    from tfgpt.training.tensor_checkpoint import main as tensor_checkpoint
 
     common = ["--num-layers", "4", "--steps", "4", "--save-every", "2", "--dropout", "0.0"]
     flags = [*common, *PIPELINE, "--pipeline-schedule", "1f1b"]
@@ -215,13 +216,13 @@ def test_a_pipeline_checkpoint_merged_and_split_resumes_on_other_layouts(tiny_da
         check_pipeline_cut(str(killed), str(killed / "ckpt-2"), interleaved)
 
     # PP2 (1f1b, 2 blocks a stage) -> ordinary -> PP2 (interleaved, 1 block a chunk).
-    tool = [sys.executable, "-m", "tfgpt.training.tensor_checkpoint"]
-    code, output = run([*tool, "merge", killed, tmp_path / "merged"])
-    assert code == 0 and "ckpt-2" in output, output
-    code, output = run([*tool, "split", tmp_path / "merged", tmp_path / "split",
-                        "--pipeline-parallel", "2", "--microbatches", "2",
-                        "--pipeline-schedule", "interleaved", "--virtual-stages", "2"])
-    assert code == 0 and "ckpt-2" in output, output
+    # (In this process: test_tensor_parallel_runs.py runs the command line.)
+    tensor_checkpoint(["merge", str(killed), str(tmp_path / "merged")])
+    assert "ckpt-2" in capsys.readouterr().out
+    tensor_checkpoint(["split", str(tmp_path / "merged"), str(tmp_path / "split"),
+                       "--pipeline-parallel", "2", "--microbatches", "2",
+                       "--pipeline-schedule", "interleaved", "--virtual-stages", "2"])
+    assert "ckpt-2" in capsys.readouterr().out
     code, output = _train_hvd(1, tiny_data, tmp_path / "merged", *common, "--batch-size", "4",
                               "--resume")
     assert code == 0 and "resumed from" in output and "next unseen batch" in output, output

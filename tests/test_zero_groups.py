@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.launch import REPO, horovodrun, run_and_load, saved_weights, train_losses
+from tests.launch import REPO, horovodrun, run_and_load, run_each, saved_weights, train_losses
 from tests.test_tensor_parallel import _assert_slices_join_to
 from tests.test_three_d import VOCABULARY, _assert_slices_join_to_the_oracle
 from tfgpt.config.distribution import HorovodOptions
@@ -48,10 +48,11 @@ def _assert_sharded(results, data_index_of, replicas=2):
 @pytest.mark.slow
 def test_tensor_parallel_with_zero_1_matches_one_process(tmp_path):
     script = HVD_SCRIPTS / "tensor_parallel_train.py"
-    flags = ["--clip", "0.5"]  # the clipping needs the global norm over slices and shards
-    oracle = run_and_load(script, tmp_path, "one", 0, *flags)[0]
+    clip = ["--clip", "0.5"]  # the clipping needs the global norm over slices and shards
+    oracles = run_each(script, tmp_path, 0, [("one-clip", *clip), ("one", )])
+    oracle = oracles["one-clip"][0]
     results = run_and_load(script, tmp_path, "tp2-dp2", 4, "--tensor", "2", "--zero-stage", "1",
-                           *flags)
+                           *clip)
     for result in results:
         np.testing.assert_allclose(result["losses"], oracle["losses"], rtol=0, atol=1e-5)
         np.testing.assert_allclose(result["norms"], oracle["norms"], rtol=0, atol=1e-5)
@@ -60,14 +61,27 @@ def test_tensor_parallel_with_zero_1_matches_one_process(tmp_path):
     # Ranks 0, 1 are data replica 0's slices, ranks 2, 3 replica 1's.
     _assert_sharded(results, lambda rank: rank // 2)
     np.testing.assert_array_equal(results[0]["shapes"], results[2]["shapes"])
+    # -np 2: TP2 alone, one data replica: nothing to shard over (no process
+    # set for a group of one: no collective may run on the global set).
+    _assert_alone_matches(run_and_load(script, tmp_path, "alone", 2, "--zero-stage", "1",
+                                       "--tensor", "2"), oracles["one"][0])
+
+
+def _assert_alone_matches(results, oracle):
+    for result in results:
+        np.testing.assert_allclose(result["losses"], oracle["losses"], rtol=0, atol=1e-5)
+        np.testing.assert_allclose(result["norms"], oracle["norms"], rtol=0, atol=1e-5)
+    _assert_sharded(results, lambda rank: 0, replicas=1)
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_pipeline_with_zero_1_matches_one_process(tmp_path):
+def test_pipeline_and_three_d_with_zero_1_match_one_process(tmp_path):
     script = HVD_SCRIPTS / "pipeline_check.py"
     flags = ["--clip", "0.3", "--rows", "16"]
-    oracle = run_and_load(script, tmp_path, "one", 0, *flags)[0]
+    oracles = run_each(script, tmp_path, 0, [("one", *flags), ("one-3d", *flags, *VOCABULARY),
+                                             ("one-alone", )])
+    oracle = oracles["one"][0]
     assert oracle["norms"].max() > 0.3  # clipping acted: the norm must be over every stage
     results = run_and_load(script, tmp_path, "pp2-dp2", 4, "--stages", "2", "--schedule", "1f1b",
                            "--microbatches", "4", "--zero-stage", "1", *flags)
@@ -82,19 +96,13 @@ def test_pipeline_with_zero_1_matches_one_process(tmp_path):
     _assert_sharded(results, lambda rank: rank // 2)
     np.testing.assert_array_equal(results[1]["shapes"], results[3]["shapes"])
 
-
-@pytest.mark.distributed
-@pytest.mark.slow
-def test_tensor_and_pipeline_parallelism_with_zero_1_match_one_process(tmp_path):
     # -np 8: data 2 x pipeline 2 x tensor 2, each stage's slice's moments
     # sharded over its 2 replicas; clipping acts, so the norm must count
     # every stage, slice and shard once.
-    script = HVD_SCRIPTS / "pipeline_check.py"
-    flags = ["--clip", "0.3", "--rows", "16", *VOCABULARY]
-    oracle = run_and_load(script, tmp_path, "one", 0, *flags)[0]
+    oracle = oracles["one-3d"][0]
     assert oracle["norms"].max() > 0.3
     results = run_and_load(script, tmp_path, "dp2-pp2-tp2", 8, "--tensor", "2", "--stages", "2",
-                           "--microbatches", "2", "--zero-stage", "1", *flags)
+                           "--microbatches", "2", "--zero-stage", "1", *flags, *VOCABULARY)
     _assert_slices_join_to_the_oracle(results, oracle, 2, "ZeRO-1, data 2 x pipeline 2 x tensor 2")
     # Ranks 0-3 are data replica 0's (stage 0's two slices, then stage 1's),
     # ranks 4-7 replica 1's: each holds half of its stage's slice's rows.
@@ -102,21 +110,10 @@ def test_tensor_and_pipeline_parallelism_with_zero_1_match_one_process(tmp_path)
     for rank in range(4):
         np.testing.assert_array_equal(results[rank]["shapes"], results[rank + 4]["shapes"])
 
-
-@pytest.mark.distributed
-@pytest.mark.slow
-def test_a_data_group_of_one_rank_keeps_whole_moments_and_matches_one_process(tmp_path):
-    # -np 2: TP2 or PP2 alone, one data replica: nothing to shard over (no
-    # process set for a group of one: no collective may run on the global set).
-    for script, flags in [("tensor_parallel_train.py", ["--tensor", "2"]),
-                          ("pipeline_check.py", ["--stages", "2", "--microbatches", "4"])]:
-        oracle = run_and_load(HVD_SCRIPTS / script, tmp_path, "one", 0)[0]
-        results = run_and_load(HVD_SCRIPTS / script, tmp_path, "alone", 2, "--zero-stage", "1",
-                               *flags)
-        for result in results:
-            np.testing.assert_allclose(result["losses"], oracle["losses"], rtol=0, atol=1e-5)
-            np.testing.assert_allclose(result["norms"], oracle["norms"], rtol=0, atol=1e-5)
-        _assert_sharded(results, lambda rank: 0, replicas=1)
+    # -np 2: PP2 alone, one data replica: nothing to shard over.
+    _assert_alone_matches(run_and_load(script, tmp_path, "alone", 2, "--zero-stage", "1",
+                                       "--stages", "2", "--microbatches", "4"),
+                          oracles["one-alone"][0])
 
 
 # ---- What stays refused ----------------------------------------------------------------
