@@ -1,6 +1,6 @@
 """Fixtures shared by the training tests, and the suite's account of its time.
 
-The multi-process tests run one at a time, first (`pytest_collection_modifyitems`).
+The slow multi-process tests run one at a time (`pytest_collection_modifyitems`).
 At the end of a run the suite prints the time each test file took (its
 tests' set-up, call and tear-down, summed) and its own wall time against
 the budget, `TFGPT_TEST_BUDGET_MINUTES` (default 40): the whole suite must
@@ -23,24 +23,26 @@ _START = time.monotonic()
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(items):
-    """The multi-process tests run one after another, on one worker.
+    """The slow multi-process tests run one after another, on one worker.
 
     Each starts two to eight processes on a 2-core machine; two of them at
-    once keep ranks of both waiting on each other's collectives, and took
-    more than twice as long as one at a time (bench/RESULTS.md, "Test
-    suite"). Under `--dist loadgroup` (scripts/run_tests.sh) they are one
-    group, which one worker takes, the largest first; the other worker
-    takes the rest. They also come first in the collection, the slow ones
-    first, then the other slow tests, each kind in file order.
+    once keep the ranks of both waiting on each other's collectives
+    (bench/RESULTS.md, "Test suite"). Under `--dist loadgroup`
+    (scripts/run_tests.sh) they are one group, which one worker takes
+    first, in file order; the other worker takes the single-process tests,
+    the slow ones first. The quicker multi-process tests come last, for
+    whichever worker is free.
     """
 
     def kind(item):
         marks = {mark.name for mark in item.iter_markers()}
-        return ("distributed" not in marks) * 2 + ("slow" not in marks)
+        if "distributed" in marks:
+            return 0 if "slow" in marks else 3
+        return 1 if "slow" in marks else 2
 
     items.sort(key=kind)  # stable: the order within a kind stays
     for item in items:
-        if item.get_closest_marker("distributed"):
+        if kind(item) == 0:
             item.add_marker(pytest.mark.xdist_group("processes"))
 
 
