@@ -13,9 +13,9 @@ export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-1}"
 
 # Two pytest workers (pytest-xdist): much of a test's time is one process
 # importing TensorFlow or tracing, one core's work, so a second test fits beside
-# it, a multi-process one included (bench/RESULTS.md, "Test suite"). With no
-# test in an xdist group, --dist loadgroup hands the tests out one or two at a
-# time in their order, so no worker is left with a queue of its own at the end.
+# it (bench/RESULTS.md, "Test suite"). --dist loadgroup gives the slow
+# multi-process tests, one xdist group (tests/conftest.py), to one worker, one
+# after another; the other tests go out one or two at a time in their order.
 # TFGPT_TEST_WORKERS=0 runs the suite in this one process (for -x or --pdb).
 WORKERS="${TFGPT_TEST_WORKERS:-2}"
 xdist=()
