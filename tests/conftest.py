@@ -22,7 +22,7 @@ _START = time.monotonic()
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
-def pytest_collection_modifyitems(items):
+def pytest_collection_modifyitems(config, items):
     """The slow multi-process tests run one after another, on one worker.
 
     Each starts two to eight processes on a 2-core machine; two of them at
@@ -41,6 +41,8 @@ def pytest_collection_modifyitems(items):
         return 1 if "slow" in marks else 2
 
     items.sort(key=kind)  # stable: the order within a kind stays
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
     for item in items:
         if kind(item) == 0:
             item.add_marker(pytest.mark.xdist_group("processes"))

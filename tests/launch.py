@@ -171,40 +171,48 @@ def processes(commands, timeout=TIMEOUT_SECONDS):
     return [(process.returncode, output) for process, output in zip(started, outputs)]
 
 
+def _launch(ranks, *command):
+    """`python command...` under `horovodrun -np ranks`, or alone when `ranks` is 0;
+    fails the test with the output unless it exits 0."""
+    if ranks == 0:
+        code, output = run([sys.executable, *command])
+    else:
+        code, output = horovodrun(ranks, *command)
+    assert code == 0, output
+
+
+def _load(directory, tag, ranks):
+    import numpy as np
+
+    return [np.load(directory / f"{tag}-rank-{rank}.npz") for rank in range(max(ranks, 1))]
+
+
 def run_and_load(script, directory, tag, ranks, *flags):
     """Runs a `tests/hvd_scripts` script that writes DIRECTORY/TAG-rank-R.npz.
 
     Under `horovodrun -np ranks`, or alone with `--global` (the one-process
     oracle) when `ranks` is 0. Returns the loaded files, in rank order.
     """
-    import numpy as np
+    _launch(ranks, script, directory, tag, *([] if ranks else ["--global"]), *flags)
+    return _load(directory, tag, ranks)
 
-    if ranks == 0:
-        code, output = run([sys.executable, script, directory, tag, "--global", *flags])
-    else:
-        code, output = horovodrun(ranks, script, directory, tag, *flags)
-    assert code == 0, output
-    return [np.load(directory / f"{tag}-rank-{rank}.npz") for rank in range(max(ranks, 1))]
+
+def launch_each(script, ranks, runs):
+    """Runs `script` once for each argument list of `runs`, in one launch
+    (`tests/hvd_scripts/many.py`): one after another in the same processes,
+    each as it would alone. `ranks` as `run_and_load`'s (no `--global` added)."""
+    _launch(ranks, MANY, script, json.dumps([[str(argument) for argument in run]
+                                             for run in runs]))
 
 
 def run_each(script, directory, ranks, runs):
-    """`run_and_load` for several runs in one launch (`tests/hvd_scripts/many.py`).
+    """`run_and_load` for several runs in one launch (`launch_each`).
 
-    `runs` is a list of `(tag, *flags)`: the runs go one after another in
-    the same processes, each as it would alone. Returns `{tag: files}`.
+    `runs` is a list of `(tag, *flags)`. Returns `{tag: files}`.
     """
-    import numpy as np
-
-    runs = [[str(directory), str(tag), *map(str, flags)] for tag, *flags in runs]
-    if ranks == 0:
-        runs = [[*run[:2], "--global", *run[2:]] for run in runs]
-        command = [sys.executable, MANY, script, json.dumps(runs)]
-        code, output = run(command)
-    else:
-        code, output = horovodrun(ranks, MANY, script, json.dumps(runs))
-    assert code == 0, output
-    return {tag: [np.load(directory / f"{tag}-rank-{rank}.npz") for rank in range(max(ranks, 1))]
-            for _, tag, *_ in runs}
+    launch_each(script, ranks, [[directory, tag, *([] if ranks else ["--global"]), *flags]
+                                for tag, *flags in runs])
+    return {tag: _load(directory, tag, ranks) for tag, *_ in runs}
 
 
 def saved_weights(result):

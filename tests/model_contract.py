@@ -211,7 +211,7 @@ def shapes_only():
     """
     from keras.src.backend.common import global_state
 
-    before = list(global_state.get_global_attribute("uninitialized_variables", []) or [])
+    before = list(global_state.get_global_attribute("uninitialized_variables", []))
     try:
         with keras.StatelessScope(initialize_variables=False):
             yield

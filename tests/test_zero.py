@@ -14,7 +14,9 @@ import sys
 import numpy as np
 import pytest
 
-from tests.launch import MANY, REPO, horovodrun, run, run_and_load, run_each, saved_weights
+from tests.launch import (
+    REPO, horovodrun, launch_each, run, run_and_load, run_each, saved_weights,
+)
 
 SCRIPT = REPO / "tests" / "hvd_scripts" / "zero_check.py"
 TINY_MODEL = [
@@ -121,9 +123,7 @@ def test_stage_3_gathers_one_block_after_another(tmp_path):
     # the step, and the whole model exists at once.
     runs = {recompute: [tmp_path, f"order-{recompute}", "--stage", "3", "--gather-order"]
             + (["--recompute"] if recompute else []) for recompute in (False, True)}
-    code, output = horovodrun(2, MANY, SCRIPT, json.dumps([list(map(str, run))
-                                                           for run in runs.values()]))
-    assert code == 0, output
+    launch_each(SCRIPT, 2, runs.values())
     for recompute in runs:
         for rank in range(2):
             before = json.loads((tmp_path / f"order-{recompute}-rank-{rank}.json").read_text())

@@ -49,7 +49,7 @@ def _assert_sharded(results, data_index_of, replicas=2):
 def test_tensor_parallel_with_zero_1_matches_one_process(tmp_path):
     script = HVD_SCRIPTS / "tensor_parallel_train.py"
     clip = ["--clip", "0.5"]  # the clipping needs the global norm over slices and shards
-    oracles = run_each(script, tmp_path, 0, [("one-clip", *clip), ("one", )])
+    oracles = run_each(script, tmp_path, 0, [("one-clip", *clip), ("one",)])
     oracle = oracles["one-clip"][0]
     results = run_and_load(script, tmp_path, "tp2-dp2", 4, "--tensor", "2", "--zero-stage", "1",
                            *clip)
@@ -80,7 +80,7 @@ def test_pipeline_and_three_d_with_zero_1_match_one_process(tmp_path):
     script = HVD_SCRIPTS / "pipeline_check.py"
     flags = ["--clip", "0.3", "--rows", "16"]
     oracles = run_each(script, tmp_path, 0, [("one", *flags), ("one-3d", *flags, *VOCABULARY),
-                                             ("one-alone", )])
+                                             ("one-alone",)])
     oracle = oracles["one"][0]
     assert oracle["norms"].max() > 0.3  # clipping acted: the norm must be over every stage
     results = run_and_load(script, tmp_path, "pp2-dp2", 4, "--stages", "2", "--schedule", "1f1b",

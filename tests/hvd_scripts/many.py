@@ -13,6 +13,7 @@ for all the runs of one launch instead of one each (`tests/launch.py`,
 `run_each`).
 """
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -31,33 +32,28 @@ def main(script, runs):
     for index, argv in enumerate(runs):
         if index:
             keras.backend.clear_session()
-        added = _watch_process_sets()
-        module.main([str(argument) for argument in argv])
-        if added is not None:
-            hvd, sets = added
-            hvd.add_process_set = hvd.add_process_set.original
-            for process_set in sets:
-                hvd.remove_process_set(process_set)
+        with _process_sets_removed_after():
+            module.main(argv)
 
 
-def _watch_process_sets():
-    """Records the process sets added from now on: (hvd, [sets]), or None
-    when this run does not use Horovod."""
-    try:
-        import horovod.tensorflow as hvd
-    except ImportError:
-        return None
-    added = []
-    original = hvd.add_process_set
+@contextlib.contextmanager
+def _process_sets_removed_after():
+    """Removes the Horovod process sets added inside, when it ends."""
+    import horovod.tensorflow as hvd
+
+    added, original = [], hvd.add_process_set
 
     def add_process_set(ranks):
-        process_set = original(ranks)
-        added.append(process_set)
-        return process_set
+        added.append(original(ranks))
+        return added[-1]
 
-    add_process_set.original = original
     hvd.add_process_set = add_process_set
-    return hvd, added
+    try:
+        yield
+    finally:
+        hvd.add_process_set = original
+    for process_set in added:
+        hvd.remove_process_set(process_set)
 
 
 if __name__ == "__main__":
