@@ -1,5 +1,5 @@
 """Starting real worker processes from tests, with a bound on their time, and
-reading the training losses their runs logged."""
+reading the training losses their runs logged and the checkpoints they wrote."""
 
 import json
 import os
@@ -256,3 +256,22 @@ def assert_same_train_losses(reference, others, steps, tolerance):
         for step in expected:
             assert losses[step] == pytest.approx(expected[step], abs=tolerance), (other.name, step)
     return expected
+
+
+def checkpoint_tensors(path):
+    """`{key: array}` of the checkpoint directory `path` (`OUT/ckpt-S`): every
+    global tensor joined from its chunks, each per-rank object as `key@rank`."""
+    from tfgpt.checkpoint.files import Reader
+
+    reader = Reader(str(path))
+    try:
+        tensors = {}
+        for key, entry in reader.keys.items():
+            per_rank = [chunk for chunk in entry["chunks"] if chunk.get("rank") is not None]
+            if not per_rank:
+                tensors[key] = reader.whole(key)
+            for chunk in per_rank:
+                tensors[f"{key}@{chunk['rank']}"] = reader.array(chunk, entry["dtype"])
+        return tensors
+    finally:
+        reader.close()

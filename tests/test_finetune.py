@@ -136,7 +136,7 @@ def test_classification_from_a_pretraining_run_learns_the_keyword(encoder_run, s
     assert results["accuracy"] == metrics["val_accuracy"] and results["step"] == 60
     config = json.loads((out / "config.json").read_text())
     assert config["family"] == "bert" and config["labels"] == ["0", "1"]
-    assert (out / "tokenizer.model").exists() and (out / "ckpt-60.index").exists()
+    assert (out / "tokenizer.model").exists() and (out / "ckpt-60" / "index.json").exists()
     # The backbone came from the pretraining run: [MASK] never occurs in
     # fine-tuning, so its embedding (no gradient, no decay) is still exactly
     # the one pretraining left in the checkpoint.
@@ -209,8 +209,7 @@ def test_resuming_continues_exactly(encoder_run, sst2, tmp_path):
 
 def _recomputed_predictions(out, examples, version, config):
     """Oracle: the saved checkpoint, run here on every window, post-processed here."""
-    import tensorflow as tf
-
+    from tfgpt.checkpoint import load_weights
     from tfgpt.models.bert import BertBackbone
     from tfgpt.models.span_question_answerer import SpanQuestionAnswerer
     from tfgpt.finetuning.offset_tokenizer import OffsetTokenizer
@@ -218,7 +217,7 @@ def _recomputed_predictions(out, examples, version, config):
 
     saved = json.loads((out / "config.json").read_text())
     model = SpanQuestionAnswerer(BertBackbone(**saved["model"]))
-    tf.train.Checkpoint(model=model).restore(tf.train.latest_checkpoint(str(out))).expect_partial()
+    load_weights(str(out), model)
     features = squad_features(examples, OffsetTokenizer.load(str(out)),
                               max_sequence_length=config["max_sequence_length"],
                               stride=config["doc_stride"],
@@ -347,8 +346,7 @@ def test_two_multi_worker_mirrored_workers_split_training_and_evaluation(
     gold = [line.split("\t")[1] for line in sst2[1].read_text().splitlines()[1:]]
     assert len(predictions) == results["total"] == 48
     assert results["correct"] == sum(p == g for p, g in zip(predictions, gold))
-    assert (tmp_path / "run" / "ckpt-6.index").exists()
-    assert not list((tmp_path / "run").glob(".worker-*"))
+    assert (tmp_path / "run" / "ckpt-6" / "index.json").exists()
 
 
 # ---- Bad input --------------------------------------------------------------
@@ -418,8 +416,8 @@ def test_init_of_the_wrong_architecture_or_family_is_named(encoder_run, sst2, tm
     albert = _copy_run(encoder_run, tmp_path / "albert", lambda c: (
         c.update(family="albert"), c["model"].update(embedding_dim=32, num_groups=1)))
     with pytest.raises(ValueError, match=rf"--init {albert}: ckpt-10 does not hold the "
-                                         r"AlbertBackbone .* 2 variable\(s\) of the model have no "
-                                         r"value in the checkpoint, e.g. .*embedding_projection"):
+                                         r"AlbertBackbone .* holds no "
+                                         r"'backbone/embedding_projection/kernel'"):
         attempt(albert)
     # A model flag may not change the checkpoint's architecture.
     with pytest.raises(ValueError, match=rf"--num-layers 3 contradicts --init {encoder_run}, "
@@ -534,7 +532,7 @@ def test_zero_stage_3_pretraining_and_finetuning_match_stage_0(encoder_run, sst2
                               "--log-every", "2", "--eval-batches", "1", "--peak-flops", "1e10",
                               "--zero-stage", "3")
     assert code == 0, output
-    assert "validation loss" in output and (sharded / "zero" / "ckpt-4" / "layout.json").exists()
+    assert "validation loss" in output and (sharded / "ckpt-4" / "index.json").exists()
     for stage in ("0", "3"):
         code, output = horovodrun(2, REPO / "finetune_hvd.py", "--zero-stage", stage,
                                   *_front_end_flags(sharded, sst2, tmp_path / f"stage-{stage}", 4))

@@ -18,7 +18,9 @@ import tensorflow as tf
 from tests.launch import REPO, run
 from tfgpt.config import TrainConfig
 from tfgpt.distributed import LocalDistribution
-from tfgpt.training.checkpointing import Checkpointer
+from tfgpt.checkpoint import RunCheckpointer
+from tfgpt.checkpoint.state import Entry, replicated_optimizer_variables
+from tfgpt.distributed.zero import slot_variables
 from tfgpt.training.fused_adamw import FusedAdamW
 from tfgpt.training.optimizers import NO_DECAY_PATTERN, learning_rate_schedule, make_optimizer
 from tfgpt.training.schedules import WarmupDecay
@@ -189,14 +191,23 @@ def test_checkpoints_restore_across_the_two_classes(source, target, tmp_path):
     optimizer.build(variables)
     for step_gradients in gradients[:3]:
         optimizer.apply([tf.constant(g) for g in step_gradients], variables)
-    saver = Checkpointer(str(tmp_path), is_chief=True, variables=variables, optimizer=optimizer)
-    saver.save(3)
+
+    def entries(variables, optimizer):  # as a run keys them: by name, moments beside
+        parts = [Entry(f"v{index}", v, tuple(v.shape)) for index, v in enumerate(variables)]
+        for name, moments in slot_variables(optimizer).items():
+            parts += [Entry(f"v{index}/{name}", m, tuple(m.shape))
+                      for index, m in enumerate(moments)]
+        return parts + [Entry(f"optimizer/{v.name}", v, tuple(v.shape))
+                        for v in replicated_optimizer_variables(optimizer)]
+
+    RunCheckpointer(str(tmp_path), LocalDistribution(),
+                    lambda: entries(variables, optimizer)).save(3)
 
     restored_variables = _variables(seed=9)
     restored = _optimizer(target)
     restored.build(restored_variables)
-    loader = Checkpointer(str(tmp_path), is_chief=False, variables=restored_variables,
-                          optimizer=restored)
+    loader = RunCheckpointer(str(tmp_path), LocalDistribution(),
+                             lambda: entries(restored_variables, restored))
     assert loader.restore_latest()
     assert int(restored.iterations) == 3
     for a, b in zip(restored.variables + restored_variables, optimizer.variables + variables):

@@ -1,14 +1,12 @@
 """`train_hvd.py --tensor-parallel`: refusals, checkpoints, resuming on the same and other layouts."""
 
-import json
 import sys
 import types
 
 import numpy as np
 import pytest
-import tensorflow as tf
 
-from tests.launch import REPO, horovodrun, run, train_losses
+from tests.launch import REPO, checkpoint_tensors, horovodrun, run, train_losses
 from tfgpt.config import GPTConfig
 from tfgpt.config.training import TrainConfig
 
@@ -105,12 +103,6 @@ def _command(data, run_dir, *extra, dropout="0.0"):
             "--warmup-steps", "2", *TINY_MODEL, *extra]
 
 
-def _tensors(prefix):
-    checkpoint = tf.train.load_checkpoint(str(prefix))
-    return {name: checkpoint.get_tensor(name) for name in checkpoint.get_variable_to_shape_map()
-            if not name.startswith("_CHECKPOINTABLE_OBJECT_GRAPH")}
-
-
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_sigkill_and_resume_on_the_same_layout_is_bitwise(tiny_data, tmp_path):
@@ -120,81 +112,59 @@ def test_sigkill_and_resume_on_the_same_layout_is_bitwise(tiny_data, tmp_path):
     assert code == 0, output
     assert "layout: 2 rank(s) = data 1 x pipeline 1 x tensor 2" in output
     # The slices of a checkpoint no longer kept go with it.
-    assert sorted(path.name for path in (tmp_path / "straight" / "tensor").iterdir()) == [
-        "ckpt-12"]
+    assert sorted(path.name for path in (tmp_path / "straight").glob("ckpt-*")) == ["ckpt-12"]
     killed = tmp_path / "killed"
     code, output = horovodrun(2, *_command(tiny_data, killed, *tensor, dropout="0.1"),
                               env={"TFGPT_FAULT_KILL_AFTER_SAVE": "6"})
-    assert code != 0 and not (killed / "ckpt-12.index").exists(), output
+    assert code != 0 and not (killed / "ckpt-12" / "index.json").exists(), output
     code, output = horovodrun(2, *_command(tiny_data, killed, *tensor, "--resume",
                                            dropout="0.1"))
     assert code == 0, output
     assert "resumed from" in output and "next unseen batch" in output
-    for index in range(2):
-        name = f"tensor/ckpt-12/slice-{index:03d}-of-002"
-        straight, resumed = _tensors(tmp_path / "straight" / name), _tensors(killed / name)
-        assert straight.keys() == resumed.keys()
-        assert any("optimizer" in key for key in straight) and any("rng" in key for key in straight)
-        for key in straight:
-            np.testing.assert_array_equal(straight[key], resumed[key], err_msg=f"{name} {key}")
+    straight, resumed = (checkpoint_tensors(run_dir / "ckpt-12")
+                         for run_dir in (tmp_path / "straight", killed))
+    assert straight.keys() == resumed.keys()
+    # Each slice's dropout states are its own: both ranks wrote theirs.
+    assert any(key.endswith("/velocity") for key in straight)
+    assert any(key.startswith("rng/") and key.endswith("@1") for key in straight)
+    for key in straight:
+        np.testing.assert_array_equal(straight[key], resumed[key], err_msg=key)
     straight_losses, resumed_losses = train_losses(tmp_path / "straight"), train_losses(killed)
     for at_step in (8, 10, 12):
         assert resumed_losses[at_step] == straight_losses[at_step], at_step
 
 
+
+
+BATCH_CHECK = """
+import tensorflow as tf
+from tfgpt.config.distribution import HorovodOptions
+from tfgpt.distributed.horovod_bridge import HorovodDistribution
+
+distribution = HorovodDistribution.create(HorovodOptions(tensor_parallel=2))
+rank = distribution.rank
+batches = [(tf.constant([[1, 2, 3]]) + rank + step, tf.constant([[2, 3, 4]]) + rank)
+           for step in range(2)]
+# Each rank read its own batches: the group computes on its first rank's.
+for batch in distribution.one_batch_per_group(iter(batches), every_step=True):
+    print(f"rank {rank} computes on", batch[0].numpy().tolist(), batch[1].numpy().tolist())
+try:
+    distribution.check_one_batch(batches[0], step=3)  # what it read, not broadcast
+except ValueError as error:
+    print(f"rank {rank} error: {error}")
+"""
+
+
 @pytest.mark.distributed
-@pytest.mark.slow
-def test_a_layout_merged_and_split_resumes_on_another_with_the_same_losses(tiny_data, tmp_path,
-                                                                           capsys):
-    from tfgpt.loading import load_model
-    from tfgpt.training import tensor_checkpoint
-
-    tensor = ["--tensor-parallel", "2"]
-    code, output = horovodrun(2, *_command(tiny_data, tmp_path / "straight", *tensor))
+def test_a_tensor_group_computes_on_one_batch_and_two_batches_are_one_error_line(tmp_path):
+    script = tmp_path / "batch_check.py"
+    script.write_text(BATCH_CHECK)
+    code, output = horovodrun(2, script)
     assert code == 0, output
-    expected = train_losses(tmp_path / "straight")
-    killed = tmp_path / "killed"
-    code, output = horovodrun(2, *_command(tiny_data, killed, *tensor),
-                              env={"TFGPT_FAULT_KILL_AFTER_SAVE": "6"})
-    assert code != 0, output
-
-    # TP2 -> the ordinary checkpoint -> one process.
-    code, output = run([sys.executable, "-m", "tfgpt.training.tensor_checkpoint", "merge",
-                        killed, tmp_path / "merged"])
-    assert code == 0 and "wrote" in output and "ckpt-6" in output, output
-    assert json.loads((tmp_path / "merged" / "config.json").read_text())[
-        "train"]["tensor_parallel"] == 1
-    # The ordinary checkpoint -> TP2 again (before the merged run resumes from it),
-    # in this process: the command line is the merge's above.
-    tensor_checkpoint.main(["split", str(tmp_path / "merged"), str(tmp_path / "split"),
-                            "--tensor-parallel", "2"])
-    written = capsys.readouterr().out
-    assert written.startswith(f"wrote {tmp_path / 'split'}") and "ckpt-6" in written, written
-    # The ordinary checkpoint refuses to be read as slices, naming the tool.
-    code, output = horovodrun(2, *_command(tiny_data, tmp_path / "merged", *tensor, "--resume"))
-    assert code != 0 and "was written by a whole model" in output
-    assert "tensor_checkpoint split RUN OUT --tensor-parallel 2" in output
-    code, output = run([sys.executable, *_command(tiny_data, tmp_path / "merged", "--resume")])
-    assert code == 0, output
-    assert "next unseen batch" in output
-
-    code, output = horovodrun(2, *_command(tiny_data, tmp_path / "split", *tensor, "--resume"))
-    assert code == 0, output
-    for other in ("merged", "split"):
-        losses = train_losses(tmp_path / other)
-        for at_step in (8, 10, 12):
-            assert losses[at_step] == pytest.approx(expected[at_step], abs=1e-5), (other, at_step)
-
-    with pytest.raises(ValueError, match="is an ordinary checkpoint already: nothing to merge"):
-        tensor_checkpoint.merge(str(tmp_path / "merged"), str(tmp_path / "again"))
-    with pytest.raises(ValueError, match=r"was written by --tensor-parallel 2; this run is "
-                                         r"whole: convert it first with .* merge RUN OUT"):
-        tensor_checkpoint.split(str(tmp_path / "straight"), str(tmp_path / "again"), 2)
-
-    # The loader reads a tensor-parallel run whole: the same weights as its merge.
-    whole, _ = load_model(str(tmp_path / "straight"))
-    tensor_checkpoint.merge(str(tmp_path / "straight"), str(tmp_path / "straight-merged"))
-    merged, _ = load_model(str(tmp_path / "straight-merged"))
-    for a, b in zip(whole.trainable_variables, merged.trainable_variables):
-        np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=a.path)
-    assert len(whole.generate([[5, 6, 7]], max_new_tokens=3)[0]) == 3
+    for rank in (0, 1):
+        computed = [line.split(" computes on ")[1] for line in output.splitlines()
+                    if f"rank {rank} computes on " in line]
+        assert computed == ["[[1, 2, 3]] [[2, 3, 4]]", "[[2, 3, 4]] [[2, 3, 4]]"], output
+        [line] = [line for line in output.splitlines() if f"rank {rank} error:" in line]
+        assert ("the ranks [0, 1] of one tensor group hold different batches at step 3 "
+                "(fingerprints rank 0: ") in line and ", rank 1: " in line, line

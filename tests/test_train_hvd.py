@@ -5,9 +5,8 @@ import sys
 
 import numpy as np
 import pytest
-import tensorflow as tf
 
-from tests.launch import REPO, horovodrun, run
+from tests.launch import REPO, checkpoint_tensors, horovodrun, run
 
 TINY_MODEL = [
     "--num-layers", "2", "--num-heads", "2", "--hidden-dim", "32",
@@ -45,7 +44,7 @@ def test_two_ranks_read_different_data_learn_and_end_identical(tiny_data, tmp_pa
     assert config["model"]["hidden_dim"] == 32 and config["workers"] == 2
     assert config["model"]["vocabulary_size"] == 300
     assert (run_dir / "tokenizer.model").exists()
-    assert (run_dir / "ckpt-60.index").exists()
+    assert (run_dir / "ckpt-60" / "index.json").exists()
     assert list((run_dir / "tensorboard").iterdir())
 
 
@@ -84,7 +83,7 @@ def test_train_hvd_entry_point_resumes_and_refuses_to_overwrite(tiny_data, tmp_p
     code, output = horovodrun(2, *base, "--steps", "6", "--resume")
     assert code == 0, output
     assert "resumed from" in output and "ckpt-4" in output
-    assert (run_dir / "ckpt-6.index").exists()
+    assert (run_dir / "ckpt-6" / "index.json").exists()
 
 
 def test_bad_data_directory_is_one_error_line(tmp_path):
@@ -143,15 +142,6 @@ def test_skip_corrupt_trains_on_without_the_bad_shard(tiny_data, tmp_path):
     assert np.isfinite(metrics["val_loss"])
 
 
-def _checkpoint_tensors(path):
-    checkpoint = tf.train.load_checkpoint(str(path))
-    return {
-        name: checkpoint.get_tensor(name)
-        for name in checkpoint.get_variable_to_shape_map()
-        if not name.startswith("_CHECKPOINTABLE_OBJECT_GRAPH")
-    }
-
-
 def _train_losses(run_dir):
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in records if r["split"] == "train"}
@@ -181,16 +171,16 @@ def test_sigkill_and_resume_equals_an_uninterrupted_run(tiny_data, tmp_path, wor
     assert code == 0, output
     assert elastic == ("warning: --elastic outside an elastic horovodrun" in output)
     code, output = launch(command(tmp_path / "killed"), env={"TFGPT_FAULT_KILL_AFTER_SAVE": "6"})
-    assert code != 0 and not (tmp_path / "killed" / "ckpt-12.index").exists(), output
-    assert (tmp_path / "killed" / "ckpt-6.index").exists()
+    assert code != 0 and not (tmp_path / "killed" / "ckpt-12" / "index.json").exists(), output
+    assert (tmp_path / "killed" / "ckpt-6" / "index.json").exists()
     code, output = launch(command(tmp_path / "killed", "--resume"))
     assert code == 0, output
     assert "resumed from" in output
     assert ("at step 6, data position 48 of the global order" if elastic
             else "next unseen batch") in output
 
-    straight = _checkpoint_tensors(tmp_path / "straight" / "ckpt-12")
-    resumed = _checkpoint_tensors(tmp_path / "killed" / "ckpt-12")
+    straight = checkpoint_tensors(tmp_path / "straight" / "ckpt-12")
+    resumed = checkpoint_tensors(tmp_path / "killed" / "ckpt-12")
     assert straight.keys() == resumed.keys()
     assert any("optimizer" in name for name in straight)
     for name in straight:

@@ -235,7 +235,8 @@ def test_elastic_resume_refuses_a_run_trained_without_it(tiny_data, tmp_path):
     flags = ["--data", str(tiny_data), "--out", str(tmp_path / "run"), "--steps", "2",
              "--batch-size", "4", "--eval-batches", "1", "--peak-flops", "1e10", *TINY_MODEL]
     _train_with_options(flags, HorovodOptions())
-    with pytest.raises(ValueError, match=r"ckpt-2 was written without --elastic and has no "
+    with pytest.raises(ValueError, match=r"ckpt-2 was written without --elastic or --global-order "
+                                         r"and has no "
                                          r"position in the global record order"):
         _train_with_options([*flags, "--steps", "4", "--resume"],
                             HorovodOptions(elastic=True))

@@ -6,10 +6,10 @@ import sys
 import numpy as np
 import pytest
 
-from tests.launch import (REPO, assert_same_train_losses, horovodrun, multi_worker, run,
-                          train_losses)
+from tests.launch import (REPO, assert_same_train_losses, checkpoint_tensors, horovodrun,
+                          multi_worker, run, train_losses)
 from tests.synthetic import pattern_corpus, prepared
-from tests.test_train_hvd import TINY_MODEL, _checkpoint_tensors
+from tests.test_train_hvd import TINY_MODEL
 
 pytestmark = pytest.mark.distributed
 
@@ -68,7 +68,7 @@ def test_two_multi_worker_mirrored_workers_end_with_identical_weights(one_file_d
     assert losses[6] < losses[1]
     assert "2 worker(s), 2 replica(s)" in outputs[0]
     # Only the chief keeps checkpoints; the other worker's scratch copy is gone.
-    assert (tmp_path / "run" / "ckpt-6.index").exists()
+    assert (tmp_path / "run" / "ckpt-6" / "index.json").exists()
     assert not list((tmp_path / "run").glob(".worker-*"))
 
 
@@ -83,12 +83,12 @@ def test_mirrored_sigkill_and_resume_equals_an_uninterrupted_run(one_file_data, 
     code, output = run(command(tmp_path / "straight"))
     assert code == 0, output
     code, output = run(command(tmp_path / "killed"), env={"TFGPT_FAULT_KILL_AFTER_SAVE": "3"})
-    assert code != 0 and (tmp_path / "killed" / "ckpt-3.index").exists(), output
+    assert code != 0 and (tmp_path / "killed" / "ckpt-3" / "index.json").exists(), output
     code, output = run(command(tmp_path / "killed", "--resume"))
     assert code == 0, output
     assert "next unseen batch (replayed)" in output
-    straight = _checkpoint_tensors(tmp_path / "straight" / "ckpt-6")
-    resumed = _checkpoint_tensors(tmp_path / "killed" / "ckpt-6")
+    straight = checkpoint_tensors(tmp_path / "straight" / "ckpt-6")
+    resumed = checkpoint_tensors(tmp_path / "killed" / "ckpt-6")
     assert straight.keys() == resumed.keys()
     for name in straight:
         np.testing.assert_array_equal(straight[name], resumed[name], err_msg=name)

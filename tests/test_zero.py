@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from tests.launch import (
-    REPO, horovodrun, launch_each, run, run_and_load, run_each, saved_weights,
+    REPO, checkpoint_tensors, horovodrun, launch_each, run, run_and_load, run_each,
+    saved_weights,
 )
 
 SCRIPT = REPO / "tests" / "hvd_scripts" / "zero_check.py"
@@ -174,10 +175,17 @@ def test_a_stage_3_checkpoint_of_two_ranks_resumes_on_one_and_three_and_back(tmp
         ("first-half", "--stage", "3", "--stop-at", "3", "--checkpoint", checkpoint),
     ])
     straight = first["straight"][0]
-    layout = json.loads((checkpoint / "zero" / "ckpt-3" / "layout.json").read_text())
-    assert layout["world_size"] == 2 and layout["stage"] == 3
-    assert sorted(os.listdir(checkpoint / "zero" / "ckpt-3")) == [
-        "layout.json", "rank-00000-of-00002.npz", "rank-00001-of-00002.npz"]
+    index = json.loads((checkpoint / "ckpt-3" / "index.json").read_text())
+    assert index["layout"]["ranks"] == 2
+    assert sorted(os.listdir(checkpoint / "ckpt-3")) == [
+        "index.json", "rank-00000.json", "rank-00000.npz", "rank-00001.json", "rank-00001.npz"]
+    # Each rank wrote its rows of every weight and moment: the first rows, then the rest.
+    for key, entry in index["keys"].items():
+        if not key.startswith(("optimizer/", "step", "rng/")):
+            rows = sorted((chunk["rows"][:2], chunk["file"]) for chunk in entry["chunks"])
+            assert [file for _, file in rows] == ["rank-00000.npz", "rank-00001.npz"], key
+            assert rows[0][0][0] == 0 and rows[0][0][1] == rows[1][0][0], key
+            assert rows[1][0][1] == entry["shape"][0], key
     for copy in copies.values():
         shutil.copytree(checkpoint, copy)
     # And the other way: one worker's stage 3 checkpoint (written in the
@@ -188,8 +196,8 @@ def test_a_stage_3_checkpoint_of_two_ranks_resumes_on_one_and_three_and_back(tmp
     results.update(run_each(SCRIPT, tmp_path, 3, [resume(3, 3), resume(3, 1)]))
     results.update(run_each(SCRIPT, tmp_path, 2, [
         resume(2, 0), ("resumed-from-one", "--stage", "3", "--checkpoint", single)]))
-    assert sorted(os.listdir(single / "zero" / "ckpt-3")) == [
-        "layout.json", "rank-00000-of-00001.npz"]
+    assert sorted(os.listdir(single / "ckpt-3")) == [
+        "index.json", "rank-00000.json", "rank-00000.npz"]
     for (ranks, stage) in copies:
         resumed = results[f"resumed-{ranks}-{stage}"]
         assert int(resumed[0]["start"]) == 3
@@ -200,12 +208,6 @@ def test_a_stage_3_checkpoint_of_two_ranks_resumes_on_one_and_three_and_back(tmp
     assert int(resumed[0]["start"]) == 3
     np.testing.assert_allclose(resumed[0]["losses"], straight["losses"][3:], rtol=0, atol=1e-5)
     _assert_weights_close(resumed, straight, 1e-5, "one worker's checkpoint resumed on 2")
-
-
-def _shard_files(run_dir, step):
-    directory = run_dir / "zero" / f"ckpt-{step}"
-    return {name: dict(np.load(directory / name)) for name in sorted(os.listdir(directory))
-            if name.endswith(".npz")}
 
 
 @pytest.mark.distributed
@@ -222,27 +224,24 @@ def test_train_hvd_stage_3_sigkill_resume_is_bitwise_and_generate_reads_it(tiny_
     assert "state per rank (ZeRO stage 3, 2 rank(s))" in output
     code, output = horovodrun(2, *command(tmp_path / "killed"),
                               env={"TFGPT_FAULT_KILL_AFTER_SAVE": "4"})
-    assert code != 0 and not (tmp_path / "killed" / "ckpt-8.index").exists(), output
+    assert code != 0 and not (tmp_path / "killed" / "ckpt-8" / "index.json").exists(), output
     code, output = horovodrun(2, *command(tmp_path / "killed", "--resume"))
     assert code == 0, output
     assert "resumed from" in output and "next unseen batch" in output
-    straight, resumed = (_shard_files(tmp_path / name, 8) for name in ("straight", "killed"))
-    assert straight.keys() == resumed.keys() and len(straight) == 2
-    for name in straight:
-        for key in straight[name]:
-            if key != "meta":
-                np.testing.assert_array_equal(straight[name][key], resumed[name][key],
-                                              err_msg=f"{name} {key}")
+    straight, resumed = (checkpoint_tensors(tmp_path / name / "ckpt-8")
+                         for name in ("straight", "killed"))
+    assert straight.keys() == resumed.keys()
+    for key in straight:
+        np.testing.assert_array_equal(straight[key], resumed[key], err_msg=key)
 
-    # tfgpt.loading (generate, export, convert) reads the shards directly:
-    # each weight is the two ranks' rows, one after the other.
+    # tfgpt.loading (generate, export, convert) reads the two ranks' rows of
+    # each weight as one.
+    from tfgpt.checkpoint.state import model_entries
     from tfgpt.loading import load_model
 
     model, _ = load_model(str(tmp_path / "straight"))
-    rank_files = [straight[name] for name in sorted(straight)]
-    for index, variable in enumerate(model.trainable_variables):
-        np.testing.assert_array_equal(
-            variable.numpy(), np.concatenate([f[f"param/{index}"] for f in rank_files]))
+    for entry in model_entries(model):
+        np.testing.assert_array_equal(entry.variable.numpy(), straight[entry.key], entry.key)
     code, output = run([sys.executable, "-m", "tfgpt.generate", "--checkpoint",
                         tmp_path / "straight", "--prompt", "the", "--max-new-tokens", "4"])
     assert code == 0, output
@@ -250,18 +249,17 @@ def test_train_hvd_stage_3_sigkill_resume_is_bitwise_and_generate_reads_it(tiny_
     # A shard file missing, or one from another run: one line, nothing written.
     broken = tmp_path / "broken"
     shutil.copytree(tmp_path / "straight", broken)
-    (broken / "zero" / "ckpt-8" / "rank-00001-of-00002.npz").unlink()
+    (broken / "ckpt-8" / "rank-00001.npz").unlink()
     before = sorted(os.listdir(broken))
     code, output = run([sys.executable, *command(broken, "--resume", "--steps", "10")])
     assert code == 2, output
-    assert "shard file(s) are missing" in output and "Traceback" not in output
-    assert sorted(os.listdir(broken)) == before
-    shutil.copy(tmp_path / "killed" / "zero" / "ckpt-8" / "rank-00001-of-00002.npz",
-                broken / "zero" / "ckpt-8")
+    assert "its index names 1 chunk file(s) that are missing: rank-00001.npz" in output
+    assert "Traceback" not in output and sorted(os.listdir(broken)) == before
+    shutil.copy(tmp_path / "killed" / "ckpt-8" / "rank-00001.npz", broken / "ckpt-8")
     code, output = run([sys.executable, *command(broken, "--resume", "--steps", "10")])
     assert code == 2, output
-    assert "does not belong to this checkpoint" in output and "Traceback" not in output
-    assert not (broken / "ckpt-10.index").exists()
+    assert "rank-00001.npz does not belong to this checkpoint" in output
+    assert "Traceback" not in output and not (broken / "ckpt-10").exists()
 
 
 @pytest.mark.distributed
@@ -272,9 +270,9 @@ def test_stage_3_refuses_xla_and_one_worker_says_it_shards_nothing(tiny_data, tm
                         "--xla"])
     assert code == 2 and "Traceback" not in output, output
     assert "error: --xla cannot compile a --zero-stage 3 step" in output
-    assert not (tmp_path / "xla" / "ckpt-2.index").exists()
+    assert not (tmp_path / "xla" / "ckpt-2").exists()
     code, output = run([sys.executable, *flags, "--out", tmp_path / "one", "--zero-stage", "2"])
     assert code == 0, output
     assert "warning: --zero-stage 2 with one worker shards nothing" in output
     assert "state per rank (ZeRO stage 2, 1 rank(s))" in output
-    assert (tmp_path / "one" / "zero" / "ckpt-2" / "rank-00000-of-00001.npz").exists()
+    assert (tmp_path / "one" / "ckpt-2" / "index.json").exists()

@@ -4,15 +4,19 @@ optimizer state sharded over its data group (`horovodrun -np 4`, 2 data replicas
 The equivalence tests run `tests/hvd_scripts` (float32, 6 steps, dropout
 0) against one process on the same global batch; the `train_hvd.py` tests
 check the start-up lines, that a run killed after a save resumes with the
-same losses, bit for bit, as one that was not, and that `tensor_checkpoint
-merge` joins the shards into the moments of an ordinary checkpoint.
+same losses, bit for bit, as one that was not, and on data-parallel
+workers without ZeRO, and that the checkpoint's moments, joined from the
+shards, are those of the run without ZeRO.
 """
+
+import shutil
 
 import numpy as np
 import pytest
-import tensorflow as tf
 
-from tests.launch import REPO, horovodrun, run_and_load, run_each, saved_weights, train_losses
+from tests.launch import (
+    REPO, checkpoint_tensors, horovodrun, run_and_load, run_each, saved_weights, train_losses,
+)
 from tests.test_tensor_parallel import _assert_slices_join_to
 from tests.test_three_d import VOCABULARY, _assert_slices_join_to_the_oracle
 from tfgpt.config.distribution import HorovodOptions
@@ -150,40 +154,19 @@ def _command(data, out, *layout, zero_stage=1):
             "--zero-stage", zero_stage, *TINY_MODEL, *layout]
 
 
-def _tensors(prefix):
-    checkpoint = tf.train.load_checkpoint(str(prefix))
-    return {name: checkpoint.get_tensor(name) for name in checkpoint.get_variable_to_shape_map()
-            if not name.startswith("_CHECKPOINTABLE_OBJECT_GRAPH")}
-
-
 THREE_D_RANKS_LINE = "2 data replica(s) x pipeline 2 x tensor 2, this rank's stage's slice"
-# Resuming shards without --zero-stage 1 (the tensor-parallel and 3D checkpointers' line).
-SHARDS_REFUSAL = ("was written with --zero-stage 1: its optimizer moments are shards; resume "
-                  "it with --zero-stage 1 on the same layout")
-
-
-def _assert_refused_without_zero(data, run_dir, layout, workers, refusal):
-    code, output = horovodrun(workers, *_command(data, run_dir, *layout, "--resume",
-                                                 zero_stage=0))
-    assert code != 0
-    assert [line for line in output.splitlines() if "error:" in line and refusal in line], output
-
-
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("layout, ranks_line, shards, refusal", [
-    (["--tensor-parallel", "2"], "2 data replica(s) x tensor 2, this rank's slice",
-     "tensor/ckpt-4/slice-001-of-002-replica-1-of-2", SHARDS_REFUSAL),
+@pytest.mark.parametrize("layout, ranks_line", [
+    (["--tensor-parallel", "2"], "2 data replica(s) x tensor 2, this rank's slice"),
     (["--pipeline-parallel", "2", "--microbatches", "2"],
-     "2 data replica(s) x pipeline 2, this rank's stage", "pipeline/stage-1/replica-1-of-2/ckpt-4",
-     "resume with the --pipeline-parallel, schedule and --zero-stage it was saved with"),
+     "2 data replica(s) x pipeline 2, this rank's stage"),
 ], ids=["tensor", "pipeline"])
-def test_train_hvd_reports_the_shards_resumes_bitwise_and_merges(tiny_data, tmp_path, layout,
-                                                                 ranks_line, shards, refusal):
+def test_train_hvd_reports_the_shards_resumes_bitwise_and_on_data_parallel_workers(
+        tiny_data, tmp_path, layout, ranks_line):
     from tfgpt.loading import load_model
-    from tfgpt.training.tensor_checkpoint import main as tensor_checkpoint
 
-    straight, killed, merged = tmp_path / "straight", tmp_path / "killed", tmp_path / "merged"
+    straight, killed, whole = tmp_path / "straight", tmp_path / "killed", tmp_path / "whole"
     code, output = horovodrun(4, *_command(tiny_data, straight, *layout))
     assert code == 0, output
     assert f"state per rank (ZeRO stage 1, {ranks_line}): parameters " in output
@@ -192,35 +175,30 @@ def test_train_hvd_reports_the_shards_resumes_bitwise_and_merges(tiny_data, tmp_
         _assert_rank_lines_show_shards(output, 2)
     code, output = horovodrun(4, *_command(tiny_data, killed, *layout),
                               env={"TFGPT_FAULT_KILL_AFTER_SAVE": "2"})
-    assert code != 0 and not (killed / "ckpt-4.index").exists(), output
-    # Merged at step 2 (the replicas' rows joined): 2 data-parallel workers
-    # without ZeRO (the same 2 input pipelines) go on with the uninterrupted
-    # run's losses.
-    tensor_checkpoint(["merge", str(killed), str(merged)])
-    code, output = horovodrun(2, *_command(tiny_data, merged, "--resume", zero_stage=0))
+    assert code != 0 and not (killed / "ckpt-4" / "index.json").exists(), output
+    shutil.copytree(killed, whole)
+    # Its step-2 checkpoint on 2 data-parallel workers without ZeRO (the same
+    # 2 input pipelines, their positions saved): the uninterrupted run's losses.
+    code, output = horovodrun(2, *_command(tiny_data, whole, "--resume", zero_stage=0))
     assert code == 0 and "resumed from" in output and "next unseen batch" in output, output
     expected = train_losses(straight)
-    from_merged = train_losses(merged)
-    assert sorted(from_merged) == [3, 4]
+    from_whole = train_losses(whole)
     for at_step in (3, 4):
-        assert from_merged[at_step] == pytest.approx(expected[at_step], abs=1e-5), at_step
+        assert from_whole[at_step] == pytest.approx(expected[at_step], abs=1e-5), at_step
     # The same layout resumes bit for bit.
     code, output = horovodrun(4, *_command(tiny_data, killed, *layout, "--resume"))
     assert code == 0, output
     assert "resumed from" in output
-    # Each rank's shards of the optimizer moments, saved at the end: the same bits.
-    first, second = _tensors(straight / shards), _tensors(killed / shards)
-    assert first.keys() == second.keys() and any("optimizer" in key for key in first)
+    first, second = (checkpoint_tensors(run_dir / "ckpt-4") for run_dir in (straight, killed))
+    assert first.keys() == second.keys() and any(key.endswith("/velocity") for key in first)
     for key in first:
         np.testing.assert_array_equal(first[key], second[key], err_msg=key)
     resumed = train_losses(killed)
     for at_step in (3, 4):
         assert resumed[at_step] == expected[at_step], at_step
-    # The weights read whole, as any run's (the slices joined, or the chief's model).
+    # The weights read whole, as any run's.
     model, _ = load_model(str(straight))
     assert len(model.generate([[5, 6, 7]], max_new_tokens=2)[0]) == 2
-    # Without --zero-stage 1 the shards cannot be read: one line says what to do.
-    _assert_refused_without_zero(tiny_data, straight, layout, 4, refusal)
 
 
 def _assert_rank_lines_show_shards(output, ranks):
@@ -241,33 +219,14 @@ def _assert_rank_lines_show_shards(output, ranks):
             byte_size(4 * (held + shard)), byte_size(4 * trained), byte_size(8 * shard)), line
 
 
-def _merged_state(run_dir):
-    """The trainable weights, both moments and the step count of the ordinary
-    checkpoint `tensor_checkpoint merge` wrote in `run_dir`."""
-    from tfgpt.training.tensor_checkpoint import _build, _run_configs
-    from tfgpt.distributed.zero import slot_variables
-
-    _, family, model_config, train_config = _run_configs(str(run_dir))
-    model, optimizer = _build(family, model_config, train_config)
-    tf.train.Checkpoint(model=model, optimizer=optimizer).read(
-        tf.train.latest_checkpoint(str(run_dir))).expect_partial()
-    names = [v.path.split("/", 1)[1] for v in model.trainable_variables]  # (not the model's)
-    state = {name: v.numpy() for name, v in zip(names, model.trainable_variables)}
-    for slot, moments in slot_variables(optimizer).items():
-        state.update({f"{slot} {name}": m.numpy() for m, name in zip(moments, names)})
-    state["iterations"] = optimizer.iterations.numpy()
-    return state
-
-
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_a_three_d_zero_1_run_reports_its_shards_and_merges_into_what_the_run_without_zero_does(
+def test_a_three_d_zero_1_run_reports_its_shards_and_saves_what_the_run_without_zero_does(
         tiny_data, tmp_path):
-    from tfgpt.training.tensor_checkpoint import main as tensor_checkpoint
-
     # DP2 x PP2 x TP2 with and without ZeRO-1 on the same batches: the
-    # replicas' rows joined are the whole stage's slice's moments. (Its
-    # same-layout resume is the pipeline's and the slices' above.)
+    # checkpoint's moments, joined from the replicas' rows of each stage's
+    # slice, are the whole ones. (Its same-layout resume is the pipeline's
+    # and the slices' above.)
     layout = ["--tensor-parallel", "2", "--pipeline-parallel", "2", "--microbatches", "2"]
     states = []
     for zero_stage in (1, 0):
@@ -278,15 +237,11 @@ def test_a_three_d_zero_1_run_reports_its_shards_and_merges_into_what_the_run_wi
         if zero_stage:
             assert f"state per rank (ZeRO stage 1, {THREE_D_RANKS_LINE}): parameters " in output
             _assert_rank_lines_show_shards(output, 4)
-        merged = str(run_dir) + "-merged"
-        tensor_checkpoint(["merge", str(run_dir), merged])
-        tensor_checkpoint(["merge", merged, merged + "-whole"])  # TP x PP -> PP -> ordinary
-        states.append(_merged_state(merged + "-whole"))
-    assert (tmp_path / "zero-1" / "pipeline/stage-1-slice-001-of-002/replica-1-of-2"
-            / "ckpt-4.index").exists()
-    _assert_refused_without_zero(tiny_data, tmp_path / "zero-1", layout, 8, SHARDS_REFUSAL)
+        states.append({key: value for key, value in
+                       checkpoint_tensors(run_dir / "ckpt-4").items() if "@" not in key})
     sharded, whole = states
-    assert sharded.keys() == whole.keys() and sharded["iterations"] == 4
+    assert sharded.keys() == whole.keys() and sharded["optimizer/iteration"] == 4
+    assert any(key.endswith("/momentum") for key in whole)
     for key, value in whole.items():
         scale = np.abs(value).max()
         assert scale > 0, key  # (the moments of every variable were written)

@@ -4,9 +4,7 @@ Two layouts are recognised by their `config.json`:
 
 - a tfgpt run directory (`tfgpt.training`, or `python -m tfgpt.convert
   to-tfgpt`): `config.json` with the GPTConfig fields under `"model"`,
-  `ckpt-N` files of a `tf.train.Checkpoint(model=...)` (or, from a
-  `--zero-stage` run, the weights in every rank's shards:
-  `tfgpt.training.sharded_checkpoint`) and the tokenizer,
+  `ckpt-N/` checkpoints of any layout (`tfgpt.checkpoint`) and the tokenizer,
   `tokenizer.model` (SentencePiece, `pipelines.tokenizer`) or GPT-2's
   `vocab.json` + `merges.txt`;
 - a Hugging Face GPT-2 directory (`"model_type": "gpt2"`), read by
@@ -17,13 +15,11 @@ import dataclasses
 import json
 import os
 
-import tensorflow as tf
 
 from tfgpt.config import GPTConfig
 from tfgpt.models.gpt import GPT
 from tfgpt.tokenizers.byte_pair_tokenizer import BytePairTokenizer
-from tfgpt.training import sharded_checkpoint, tensor_checkpoint
-from tfgpt.training.checkpointing import CONFIG_FILE, TOKENIZER_FILE
+from tfgpt.checkpoint import CONFIG_FILE, TOKENIZER_FILE, load_weights, save_weights
 
 
 def load_model(directory, dtype=None):
@@ -55,30 +51,7 @@ def load_model(directory, dtype=None):
     tokenizer = load_tokenizer(directory)
     if tokenizer is not None:
         check_tokenizer_matches_model(tokenizer, model)
-    path = latest_checkpoint(directory)
-    if tensor_checkpoint.slice_count(directory, tensor_checkpoint.step_of(path)) is not None:
-        tensor_checkpoint.restore_whole(directory, path, model)  # the slices, joined
-        return model, tokenizer
-    if sharded_checkpoint.is_sharded(path):
-        sharded_checkpoint.restore_whole(directory, path, model.trainable_variables, None, None)
-        return model, tokenizer
-    # The trainer also saved the optimizer and step; only the model is read,
-    # and every model variable must be found in the checkpoint.
-    try:
-        status = tf.train.Checkpoint(model=model).restore(path)
-    except ValueError as error:  # TF names the variable and both shapes.
-        raise ValueError(
-            f"Mismatched checkpoint shape: {error} Received: checkpoint={path}, "
-            f"model config from {os.path.join(directory, CONFIG_FILE)}"
-        ) from None
-    status.expect_partial()
-    try:
-        status.assert_existing_objects_matched()
-    except AssertionError as error:
-        raise ValueError(
-            f"The checkpoint {path} does not hold every weight of the GPT that "
-            f"config.json describes: {str(error)[:300]}"
-        ) from None
+    load_weights(directory, model)
     return model, tokenizer
 
 
@@ -86,35 +59,21 @@ def save_model(directory, model, tokenizer=None):
     """Writes `model` as a tfgpt run directory that `load_model` reads.
 
     `config.json` holds the model's GPTConfig under `"model"` and the weights
-    go to `ckpt-0` through `tf.train.CheckpointManager`, as the trainer
-    writes them; a `BytePairTokenizer` is saved as `vocab.json` and
-    `merges.txt`, a SentencePiece one as `tokenizer.model`.
+    go to `ckpt-0`, as a one-process run writes them (`tfgpt.checkpoint`);
+    a `BytePairTokenizer` is saved as `vocab.json` and `merges.txt`, a
+    SentencePiece one as `tokenizer.model`.
     """
     os.makedirs(directory, exist_ok=True)
     fields = {field.name: getattr(model, field.name) for field in dataclasses.fields(GPTConfig)}
     with open(os.path.join(directory, CONFIG_FILE), "w") as file:
         json.dump({"model": fields}, file, indent=2, sort_keys=True)
         file.write("\n")
-    manager = tf.train.CheckpointManager(
-        tf.train.Checkpoint(model=model), directory, max_to_keep=1, checkpoint_name="ckpt"
-    )
-    manager.save(checkpoint_number=0)
+    save_weights(directory, model)
     if isinstance(tokenizer, BytePairTokenizer):
         tokenizer.save(directory)
     elif tokenizer is not None:
         with open(os.path.join(directory, TOKENIZER_FILE), "wb") as file:
             file.write(tokenizer.model_proto)
-
-
-def latest_checkpoint(directory):
-    """Returns the newest checkpoint prefix in `directory` or raises."""
-    path = tf.train.latest_checkpoint(directory)
-    if path is None:
-        raise FileNotFoundError(
-            f"No TensorFlow checkpoint (a 'checkpoint' index and ckpt-N files) "
-            f"in {directory}"
-        )
-    return path
 
 
 def load_tokenizer(directory):

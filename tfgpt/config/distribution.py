@@ -115,6 +115,10 @@ class HorovodOptions:
             (the same number each) or balanced (the same forward FLOPs,
             counting the head's projection to the vocabulary with the
             last stage).
+        check_batches: bool. Compare a fingerprint of every step's batch
+            across each tensor group and pipeline (one allgather each), not
+            only of the first step's: a debugging aid (the ranks of a
+            tensor group compute on their first rank's batch, broadcast).
     """
 
     CHOICES = {"zero_stage": ZERO_STAGES, "pipeline_schedule": PIPELINE_SCHEDULES,
@@ -133,6 +137,7 @@ class HorovodOptions:
     pipeline_schedule: str = "1f1b"
     virtual_stages: int = 1
     pipeline_partition: str = "uniform"
+    check_batches: bool = False
 
     def __post_init__(self):
         if not self.allreduce_bucket_mb >= 0:

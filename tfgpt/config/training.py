@@ -76,6 +76,11 @@ class RunConfig:
         seed: int. Seed for initial weights, dropout and data order.
         shuffle: bool. Shuffle the training data (seeded); off reads every
             worker's part in file order.
+        global_order: bool. Every data replica takes its share of one
+            global order of the records (the order `--elastic` reads), so a
+            run resumed on another number of data replicas continues the
+            same stream of global batches. Each worker reads the whole
+            split and keeps its share; off, each worker reads its own files.
         out: str. Output directory: checkpoints, config.json, TensorBoard
             scalars and metrics.jsonl.
         log_every: int. Steps between log lines.
@@ -140,6 +145,7 @@ class RunConfig:
     mixed_precision: str = "off"
     seed: int = 0
     shuffle: bool = True
+    global_order: bool = False
     out: str = "runs/gpt"
     log_every: int = 10
     save_every: int = 0

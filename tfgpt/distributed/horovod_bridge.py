@@ -379,6 +379,55 @@ class HorovodDistribution(LocalDistribution):
                 result[index] = value
         return result
 
+    def one_batch_per_group(self, batches, every_step=False):
+        """Yields `batches` as the ranks that compute on one batch must see them.
+
+        The ranks of a tensor group compute one forward pass on one batch:
+        each batch is its first rank's, broadcast over the group (Megatron-
+        LM's `broadcast_data`), so that two ranks cannot silently compute
+        on two inputs whatever their input pipelines do. The stages of a
+        pipeline read the inputs (the first) and the targets (the last) of
+        one batch. At the first step (every step with `every_step`) a
+        fingerprint of the batch is compared across both groups
+        (`check_one_batch`).
+        """
+        tensor_slice = self.tensor_slice
+        if tensor_slice is None and self.pipeline_process_set is None:
+            yield from batches  # every rank computes on its own batches
+            return
+        root = self.layout.tensor_group()[0]
+        for step, batch in enumerate(batches, 1):
+            if tensor_slice is not None:
+                batch = tf.nest.map_structure(
+                    lambda value: self._hvd.broadcast(value, root_rank=root,
+                                                      process_set=tensor_slice.process_set),
+                    batch)
+            if step == 1 or every_step:
+                self.check_one_batch(batch, step)
+            yield batch
+
+    def check_one_batch(self, batch, step):
+        """Raises ValueError, in one line naming the ranks, unless this rank's
+        tensor group and pipeline hold the same `batch` (a fingerprint each,
+        one allgather per group)."""
+        values = [tf.reshape(tf.cast(value, tf.float64), [-1]) for value in tf.nest.flatten(batch)]
+        weights = [tf.cast(tf.range(tf.size(value)) % 9973 + 1, tf.float64) for value in values]
+        fingerprint = tf.add_n([tf.reduce_sum(value * weight)
+                                for value, weight in zip(values, weights)])
+        tensor_set = self.tensor_slice.process_set if self.tensor_slice is not None else None
+        for kind, group, process_set in (
+                ("tensor group", self.layout.tensor_group(), tensor_set),
+                ("pipeline", self.layout.pipeline_group(), self.pipeline_process_set)):
+            if process_set is None:
+                continue
+            prints = self._hvd.allgather(tf.reshape(fingerprint, [1]),
+                                         process_set=process_set).numpy()
+            if len(set(prints.tolist())) > 1:
+                raise ValueError(
+                    f"the ranks {group} of one {kind} hold different batches at step {step} "
+                    f"(fingerprints {', '.join(f'rank {r}: {p:.0f}' for r, p in zip(group, prints))}"
+                    "): they must compute on one batch")
+
     def allreduce_mean(self, value):
         """Averages a tensor over all workers."""
         return self._hvd.allreduce(value, op=self._hvd.Average, name=None)

@@ -24,7 +24,6 @@ class LocalDistribution:
     local_rank = 0
     local_size = 1
     is_chief = True
-    saves_collectively = False
     # Concurrent slices of each batch (tfgpt.distributed.cpu_threads).
     towers = 1
     # ZeRO stage (Horovod's --zero-stage; tfgpt.distributed.zero): 0, nothing sharded.
@@ -67,6 +66,12 @@ class LocalDistribution:
 
     def configure_optimizer(self, optimizer):
         return optimizer
+
+    def one_batch_per_group(self, batches, every_step=False):
+        """`batches`, as every rank that computes on one batch must see them
+        (`HorovodDistribution`: a tensor group, a pipeline); here as they are."""
+        del every_step
+        return batches
 
     def allreduce_gradients(self, gradients):
         return gradients

@@ -95,9 +95,6 @@ class StrategyDistribution(LocalDistribution):
         task_id = resolver.task_id if resolver is not None and resolver.task_type else 0
         self.rank = int(task_id or 0)
         self.is_chief = self.rank == 0
-        # MultiWorkerMirrored: every worker takes part in a save (the chief's
-        # copy is kept), as tf.distribute's checkpointing requires.
-        self.saves_collectively = isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
 
     def scope(self):
         return self.strategy.scope()

@@ -40,7 +40,7 @@ from tfgpt.finetuning.task_models import (
     span_loss,
 )
 from tfgpt.training import loop
-from tfgpt.training.checkpointing import read_config, write_json_atomically
+from tfgpt.checkpoint import read_config, write_json_atomically
 from tfgpt.training.reporter import Reporter
 from tfgpt.training.train_step import TrainStep
 

@@ -17,15 +17,14 @@ Either way only `--dropout` may differ from the architecture found there.
 import dataclasses
 import json
 import os
-import re
 
 import tensorflow as tf
 
+from tfgpt.checkpoint import latest, load_weights
 from tfgpt.config.models import ENCODER_FAMILIES, FAMILIES, family_of_preset
 from tfgpt.convert_encoders import hf_encoder_config, load_hf_weights
 from tfgpt.models.sequence_classifier import SequenceClassifier
 from tfgpt.models.span_question_answerer import SpanQuestionAnswerer
-from tfgpt.training import sharded_checkpoint
 from tfgpt.training.train_step import cross_entropy
 
 
@@ -90,66 +89,26 @@ def describe_init(init):
     return kind, family, saved
 
 
-def restore_backbone(backbone, directory, checkpoint_path=None):
-    """Restores `backbone` from a tfgpt run's checkpoint (pretraining or fine-tuning).
+def restore_backbone(backbone, directory):
+    """Restores `backbone` from a tfgpt run's latest checkpoint (pretraining or
+    fine-tuning, any layout); returns its path.
 
-    Only the backbone is matched: the checkpoint's heads, optimizer and
-    step are left out. Raises ValueError naming the directory, and the
-    variable and shapes, when the checkpoint holds another architecture
-    than `backbone`.
+    Only the backbone is read: the checkpoint's heads, optimizer and step
+    are left out. Pretraining and task models keep the encoder as
+    `backbone/`. Raises ValueError naming the directory, the variable and
+    its shapes when the checkpoint holds another architecture.
     """
-    path = checkpoint_path or tf.train.latest_checkpoint(directory)
+    path = latest(directory)
     if path is None:
         raise ValueError(f"--init {directory}: config.json but no checkpoint (ckpt-N)")
-    if sharded_checkpoint.is_sharded(path):
-        _restore_backbone_from_shards(backbone, directory, path)
-        return path
-    # Pretraining (Bert/Albert) and fine-tuning models all keep the encoder
-    # under `model.backbone`; restore through a stand-in for `model`.
-    checkpoint = tf.train.Checkpoint(model=tf.train.Checkpoint(backbone=backbone))
     try:
-        status = checkpoint.restore(path)
-        status.expect_partial()
-        status.assert_existing_objects_matched()
-    except (ValueError, AssertionError, tf.errors.InvalidArgumentError) as error:
-        message = str(error).splitlines()[0].strip()
-        if isinstance(error, AssertionError):
-            # TensorFlow lists the unmatched variables with their values.
-            unmatched = re.findall(r"path=([^,]+), shape=(\([^)]*\))", str(error))
-            message = (
-                f"{len(unmatched)} variable(s) of the model have no value in the checkpoint, "
-                f"e.g. {', '.join(f'{path} {shape}' for path, shape in unmatched[:3])}"
-                if unmatched
-                else message[:300]
-            )
+        return load_weights(directory, backbone, prefix="backbone/")
+    except ValueError as error:
         raise ValueError(
             f"--init {directory}: {os.path.basename(path)} does not hold the "
-            f"{type(backbone).__name__} that its config.json describes (a checkpoint of "
-            f"another architecture): {message}"
+            f"{type(backbone).__name__} that its config.json describes (a checkpoint of another "
+            f"architecture): {error}"
         ) from None
-    return path
-
-
-def _restore_backbone_from_shards(backbone, directory, path):
-    """The backbone's weights from a ZeRO run's shards, matched by their path below the backbone."""
-    reader = sharded_checkpoint.ShardReader(directory, sharded_checkpoint.step_of(path))
-    try:
-        saved = {}
-        for index, entry in enumerate(reader.layout["variables"]):
-            # A pretraining or task model keeps the encoder under `backbone/`.
-            below = entry["path"].split("backbone/", 1)[-1]
-            saved[below] = (index, entry["shape"])
-        for variable in backbone.trainable_variables:
-            below = variable.path.split("/", 1)[-1]
-            if below not in saved or saved[below][1] != list(variable.shape):
-                raise ValueError(
-                    f"--init {directory}: {os.path.basename(path)} does not hold the "
-                    f"{type(backbone).__name__} that its config.json describes (no "
-                    f"{below} {tuple(variable.shape)} in its shards)"
-                )
-            variable.assign(reader.whole("param", saved[below][0]))
-    finally:
-        reader.close()
 
 
 def build_backbone(config, model_overrides, tokenizer_vocabulary):

@@ -43,7 +43,8 @@ import numpy as np
 import tensorflow as tf
 
 from tfgpt.training import faults, loop
-from tfgpt.training.checkpointing import read_config
+from tfgpt.checkpoint import read_config
+from tfgpt.checkpoint.files import Reader
 from tfgpt.training.optimizers import set_worker_count
 
 # config.json's key naming the elastic job that wrote it (`joins_running_job`).
@@ -91,12 +92,13 @@ def check_config(config, task_name):
         )
 
 
-def check_resumable(path):
-    """Raises unless the checkpoint at `path` holds an elastic run's data position."""
-    if not any("data_cursor" in name for name, _ in tf.train.list_variables(path)):
+def check_resumable(path, flag):
+    """Raises unless the checkpoint at `path` holds a position in the global
+    record order, which `flag` (`--elastic`, `--global-order`) resumes from."""
+    if "data_cursor" not in Reader(path).keys:
         raise ValueError(
-            f"--elastic --resume: {path} was written without --elastic and has no position "
-            "in the global record order; resume it without --elastic"
+            f"{flag} --resume: {path} was written without --elastic or --global-order and has "
+            f"no position in the global record order; resume it without {flag}"
         )
 
 
@@ -201,7 +203,7 @@ def _logging_records(batches, directory, formation, first_step, distribution):
 
 
 def run_formations(config, options, distribution, report, *, model, optimizer, step, data_cursor,
-                   build_train_step, build_batches, build_checkpointer, sequence_length):
+                   build_train_step, build_batches, checkpointer, sequence_length):
     """Trains to `config.steps` through every change of the world size; returns the last metrics.
 
     Args:
@@ -216,8 +218,8 @@ def run_formations(config, options, distribution, report, *, model, optimizer, s
         build_train_step: callable `()` -> a new `TrainStep` (traced anew).
         build_batches: callable `(cursor)` -> this worker's batches from
             position `cursor` of the global order.
-        build_checkpointer: callable `()` -> the formation's checkpointer
-            (the chief may change).
+        checkpointer: the run's `RunCheckpointer` (it asks who the chief is
+            at each save).
         sequence_length: int. Tokens per sequence.
     """
     state = elastic_state(model.variables + optimizer.variables + [step, data_cursor])
@@ -247,7 +249,7 @@ def run_formations(config, options, distribution, report, *, model, optimizer, s
 
         return loop.run_loop(
             config, distribution, report, model=model, optimizer=optimizer, step=step,
-            train_step=build_train_step(), batches=batches, checkpointer=build_checkpointer(),
+            train_step=build_train_step(), batches=batches, checkpointer=checkpointer,
             steps=config.steps, global_batch=records_per_step, sequence_length=sequence_length,
             perplexity=True, after_step=after_step,
         )

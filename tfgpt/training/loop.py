@@ -22,9 +22,11 @@ import numpy as np
 import tensorflow as tf
 
 from tfgpt import kernels
+from tfgpt.checkpoint import files as checkpoint_files
+from tfgpt.checkpoint import run as checkpoint_run
+from tfgpt.checkpoint.state import replicated_optimizer_variables, run_entries
 from tfgpt.models.gpt import GPT
 from tfgpt.training import faults, flops, monitor
-from tfgpt.training.checkpointing import Checkpointer
 from tfgpt.training.optimizers import make_optimizer
 from tfgpt.training.precision import slow_precision_warning
 from tfgpt.training.profiling import StepProfiler
@@ -39,7 +41,7 @@ class TrainingDiverged(RuntimeError):
 
 def existing_checkpoints(config):
     """Whether `config.out` holds checkpoints; raises unless `config.resume`."""
-    found = tf.train.latest_checkpoint(config.out) is not None
+    found = checkpoint_files.latest(config.out) is not None
     if found and not config.resume:
         raise ValueError(
             f"--out {config.out} already holds checkpoints: pass --resume to continue "
@@ -103,7 +105,6 @@ def zero_warning(distribution):
         f"--zero-stage {stage} with one worker shards nothing: every state stays whole on "
         "it, as with --zero-stage 0" + (", plus a float32 copy of the weights (4 bytes per "
                                         "parameter more)" if stage in (1, 2) else "")
-        + " (its checkpoints are still in the sharded layout)"
     )
 
 
@@ -164,8 +165,6 @@ def broadcast_state(distribution, model, optimizer, step, zero):
     if zero is None:
         distribution.broadcast_variables(model.variables + optimizer.variables + [step])
         return
-    from tfgpt.training.sharded_checkpoint import replicated_optimizer_variables
-
     distribution.broadcast_variables(
         model.non_trainable_variables + replicated_optimizer_variables(optimizer) + [step]
     )
@@ -212,61 +211,31 @@ def state_line(model, distribution, zero):
     return line
 
 
-def seed_generator_states(model):
-    """The dropouts' random states, as tf.Variables, in model order.
+def make_checkpointer(config, distribution, model, optimizer, step, zero=None, stage=None,
+                      data_cursor=None):
+    """The run's `tfgpt.checkpoint.RunCheckpointer` in `config.out`, for any layout.
 
-    They live in Keras SeedGenerators, which tf.train.Checkpoint does not
-    reach through the layers: a checkpoint lists them.
+    Every rank writes its part of the model, the optimizer (its moments
+    sliced and sharded as its variables are), the step and its dropout
+    state; `data_cursor` (an elastic run's position in the global record
+    order, `tfgpt.training.elastic`) is saved beside them when given.
+    `zero`: the run's `ZeroSharding`; `stage`: a pipeline rank's
+    `PipelineStage` (then `model` is the whole model it cuts).
     """
-    return [v.value for v in model.variables if "seed_generator_state" in v.path]
+    counters = [("step", step)] + ([("data_cursor", data_cursor)] if data_cursor is not None
+                                   else [])
 
+    def entries():
+        coordinates, _ = checkpoint_run.layout_of(distribution)
+        return run_entries(model, optimizer, coordinates, tensor_slice=distribution.tensor_slice,
+                           zero=zero, stage=stage, counters=counters)
 
-def make_checkpointer(config, distribution, model, optimizer, step, zero=None, data_cursor=None):
-    """The chief saves model, optimizer, step and dropout state in `config.out`.
+    def gather_shards():  # ZeRO 1 and 2 gather the whole weights from the restored shards
+        zero.load_shards([shard.value for shard in zero.shards])
 
-    `data_cursor`: an elastic run's position in the global record order
-    (`tfgpt.training.elastic`), saved beside them when given. Under ZeRO
-    every rank writes its shards beside the chief's replicated state
-    (`tfgpt.training.sharded_checkpoint`). A whole-state run resumes
-    from either kind of checkpoint. Under tensor parallelism each slice
-    writes its part (`tfgpt.training.tensor_checkpoint`).
-    """
-    from tfgpt.training import sharded_checkpoint
-
-    rng = seed_generator_states(model)
-    replicated = dict(step=step, rng=rng,
-                      optimizer_state=sharded_checkpoint.replicated_optimizer_variables(optimizer))
-    if distribution.tensor_slice is not None:
-        from tfgpt.training.tensor_checkpoint import TensorParallelCheckpointer
-
-        return TensorParallelCheckpointer(
-            Checkpointer(config.out, distribution.is_chief, keep=config.keep_checkpoints,
-                         step=step),
-            model, optimizer, distribution, zero,
-        )
-    if zero is not None:
-        return sharded_checkpoint.ShardedCheckpointer(
-            Checkpointer(config.out, distribution.is_chief, keep=config.keep_checkpoints,
-                         **replicated),
-            zero,
-            distribution,
-        )
-    return Checkpointer(
-        config.out,
-        distribution.is_chief,
-        keep=config.keep_checkpoints,
-        collective=distribution.saves_collectively,
-        rank=distribution.rank,
-        restore_sharded=lambda path: sharded_checkpoint.restore_whole(
-            config.out, path, model.trainable_variables, optimizer,
-            tf.train.Checkpoint(**replicated),
-        ),
-        model=model,
-        optimizer=optimizer,
-        step=step,
-        rng=rng,
-        **({"data_cursor": data_cursor} if data_cursor is not None else {}),
-    )
+    return checkpoint_run.RunCheckpointer(config.out, distribution, entries,
+                                          keep=config.keep_checkpoints,
+                                          after_restore=gather_shards if zero else None)
 
 
 def run_record(config, distribution):
@@ -279,8 +248,8 @@ def run_record(config, distribution):
 
 
 def run_loop(config, distribution, report, *, model, optimizer, step, train_step, batches,
-             checkpointer, steps, global_batch, sequence_length, data_checkpointer=None,
-             perplexity=False, after_step=None):
+             checkpointer, steps, global_batch, sequence_length, perplexity=False,
+             after_step=None):
     """Runs steps `step + 1` to `steps`, logging and saving; returns the last logged metrics.
 
     Every `log_every` steps (and at step 1 and the last), the loss and the
@@ -301,8 +270,6 @@ def run_loop(config, distribution, report, *, model, optimizer, step, train_step
         steps: int. The step to end at.
         global_batch: int. Sequences per step over all workers.
         sequence_length: int. Tokens per sequence, for tokens/s and MFU.
-        data_checkpointer: a `Checkpointer` of this worker's data position,
-            saved before the model, or None.
         perplexity: bool. Log exp(loss) (language-model losses).
         after_step: callable `(step)` run after each step, before its
             logging and saving (an elastic run's data position and
@@ -315,11 +282,6 @@ def run_loop(config, distribution, report, *, model, optimizer, step, train_step
                 f"loss is {last_loss} at step {at_step}; not saving it over the last "
                 f"good checkpoint ({checkpointer.latest})"
             )
-        # Data positions first, so that a model checkpoint on disk always
-        # has the data positions of every worker for the same step.
-        if data_checkpointer is not None:
-            data_checkpointer.save(at_step)
-            distribution.allreduce_mean(tf.constant(0.0))  # barrier
         path = checkpointer.save(at_step)
         if faults.kill_after_save() == at_step:
             # Fault injection (tests): every worker dies once the chief's

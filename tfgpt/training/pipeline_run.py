@@ -2,84 +2,15 @@
 
 `train_hvd.py --pipeline-parallel P` runs `tfgpt.training.trainer.train`
 as usual; these are the parts that differ: the refusals, checked before
-the model is built; the stage and its step
-(`tfgpt.distributed.pipeline_stage`, `pipeline_executor`); and the
-checkpoints. A checkpoint is an ordinary one: before each save every
-stage's weights (and dropout state) are broadcast from the rank that
-trains them, so the chief writes the whole model, which `--resume`,
-generation and fine-tuning read like any other; each rank writes its own
-optimizer state beside it, in `OUT/pipeline/stage-S` (the first
-data-parallel replica of each stage writes it; under `--zero-stage 1`
-every rank writes its shards and their optimizer state, in
-`OUT/pipeline/stage-S/replica-D-of-N`, and resumes on the same layout;
-`stage_checkpointer`). With `--tensor-parallel` too, the model is written
-in slices, and each stage's slice writes its optimizer state (under ZeRO,
-each replica its shards) in a directory of its own
-(`tfgpt.training.tensor_pipeline_checkpoint`).
-`tfgpt.training.tensor_checkpoint` merges these into an ordinary
-checkpoint and splits one into any pipeline layout.
+the model is built, and the stage and its step
+(`tfgpt.distributed.pipeline_stage`, `pipeline_executor`). Each stage
+saves the weights and optimizer state it trains in the run's one
+checkpoint format (`tfgpt.checkpoint`), which any layout resumes.
 """
-
-import os
 
 import numpy as np
 
 from tfgpt.distributed.pipeline_partition import check_partition
-from tfgpt.training.checkpointing import Checkpointer, CheckpointerWrapper
-
-PIPELINE_DIRECTORY = "pipeline"
-# The options that decide which variables each stage trains, and so what
-# its optimizer state holds (the schedule and --microbatches do not).
-PIPELINE_CUT = ("pipeline_parallel", "virtual_stages", "pipeline_partition")
-
-
-def stage_directory(directory, stage):
-    """Where pipeline stage `stage` writes its optimizer state."""
-    return os.path.join(directory, PIPELINE_DIRECTORY, f"stage-{stage}")
-
-
-def replicas_written(directory, step):
-    """Whether ZeRO replicas wrote their shards at `step` in `directory` (a
-    stage's optimizer directory), as `stage_checkpointer` does under
-    `--zero-stage 1`."""
-    index = f"ckpt-{int(step)}.index"
-    return os.path.isdir(directory) and any(
-        name.startswith("replica-") and os.path.exists(os.path.join(directory, name, index))
-        for name in os.listdir(directory))
-
-
-def stage_count(directory, step):
-    """P of the pipeline checkpoint at `step`, or None for one without stages
-    (P x T with tensor parallelism too: each stage's slice has its directory)."""
-    root = os.path.join(directory, PIPELINE_DIRECTORY)
-    if not os.path.isdir(root):
-        return None
-    index = f"ckpt-{int(step)}.index"
-
-    def written(stage):  # by its first replica, or (--zero-stage 1) by each replica
-        return os.path.exists(os.path.join(stage, index)) or replicas_written(stage, step)
-
-    count = sum(written(os.path.join(root, name)) for name in os.listdir(root)
-                if name.startswith("stage-") and os.path.isdir(os.path.join(root, name)))
-    return count or None
-
-
-def stage_checkpointer(directory, config, layout, optimizer, zero=None):
-    """The `Checkpointer` of this rank's optimizer state in `directory`.
-
-    The first data replica writes it, every replica reads it; under
-    `--zero-stage 1` (`zero`: the stage's `ZeroSharding`) every replica
-    writes and reads its own shards and their optimizer state, in
-    `directory/replica-D-of-N`.
-    """
-    if zero is None:
-        return Checkpointer(directory, layout.data_index == 0, keep=config.keep_checkpoints,
-                            optimizer=optimizer)
-    return Checkpointer(
-        os.path.join(directory, f"replica-{layout.data_index}-of-{layout.data}"), True,
-        keep=config.keep_checkpoints, optimizer=optimizer,
-        shards=[shard.value for shard in zero.shards],
-    )
 
 
 def check_pipeline_run(config, options, family, model_config):
@@ -189,52 +120,3 @@ def _rank_state(stage, layout, rank, zero_stage=0):
         f"{byte_size(weights)}, gradients {byte_size(sizes['gradients'])}, optimizer "
         f"{byte_size(sizes['optimizer'])}"
     )
-
-
-class PipelineCheckpointer(CheckpointerWrapper):
-    """The chief writes the whole model, step and dropout state; each stage its optimizer.
-
-    Args:
-        config: the run config (`out`, `keep_checkpoints`).
-        distribution: the run's `HorovodDistribution`.
-        stage: this rank's `PipelineStage`.
-        optimizer, step, rng: the optimizer, the step variable and the
-            dropout random states (`tfgpt.training.loop`).
-        zero: the stage's `ZeroSharding`, or None.
-    """
-
-    def __init__(self, config, distribution, stage, optimizer, step, rng, zero=None):
-        super().__init__(Checkpointer(config.out, distribution.is_chief,
-                                      keep=config.keep_checkpoints, model=stage.model, step=step,
-                                      rng=rng), distribution)
-        self.stage = stage
-        layout = distribution.layout
-        self.own = stage_checkpointer(stage_directory(config.out, layout.stage), config, layout,
-                                      optimizer, zero)
-
-    def save(self, step):
-        # Every rank takes part in the broadcasts; the chief then holds the whole model.
-        self.stage.broadcast_from_owners(self.distribution.broadcast_from_stage)
-        self.own.save(step)
-        self.barrier()  # every stage's state on disk
-        return self.checkpointer.save(step)
-
-    def restore_latest(self):
-        """Restores the newest checkpoint, which must be cut as this run; returns its path."""
-        from tfgpt.training.tensor_checkpoint import check_pipeline_cut, step_of
-
-        path = self.latest
-        if not path:
-            return None
-        step = step_of(path)
-        check_pipeline_cut(self.directory, path, self.distribution.options)
-        self.checkpointer.checkpoint.restore(path).assert_existing_objects_matched()
-        own = os.path.join(self.own.directory, f"ckpt-{step}")
-        if not os.path.exists(own + ".index"):
-            raise ValueError(
-                f"{path} has no optimizer state for pipeline stage {self.distribution.layout.stage}"
-                f" ({own}): resume with the --pipeline-parallel, schedule and --zero-stage it was "
-                "saved with"
-            )
-        self.own.checkpoint.restore(own).assert_existing_objects_matched()
-        return path

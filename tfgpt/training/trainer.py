@@ -20,7 +20,7 @@ from tfgpt.distributed import tensor_parallel
 from tfgpt.layers.transformer_block import set_recompute
 from tfgpt.training import elastic as elastic_training
 from tfgpt.training import loop, objectives, pipeline_run
-from tfgpt.training.checkpointing import Checkpointer, read_config
+from tfgpt.checkpoint import read_config
 from tfgpt.training.loop import TrainingDiverged
 from tfgpt.training.reporter import Reporter
 from tfgpt.training.train_step import EvalStep, TrainStep
@@ -277,40 +277,39 @@ def train(train_config, model_overrides, distribution):
                          metrics, int(step.numpy()))
 
     train_step = build_train_step()
-    iterator = train_batches(train_config.seed)
+    # --global-order: the position is one number, the records of the global
+    # order consumed, whatever the layout.
+    global_order = train_config.global_order
+    data_cursor = (tf.Variable(0, dtype=tf.int64, trainable=False, name="data_cursor")
+                   if global_order else None)
+    iterator = train_batches(train_config.seed, cursor=0 if global_order else None)
     # A plain tf.data iterator checkpoints its position (O(1) to restore);
     # tf.distribute's distributed iterators cannot, so those runs replay the
     # seeded, deterministic stream and skip what was consumed.
-    iterator_checkpointable = isinstance(iterator, tf.__internal__.tracking.Trackable)
+    iterator_checkpointable = not global_order and isinstance(
+        iterator, tf.__internal__.tracking.Trackable)
 
-    # Checkpoints: the chief saves model, optimizer, step and dropout state;
-    # every worker saves its own data position beside them.
-    if pipelined and tensor_slice is not None:
-        from tfgpt.training.tensor_pipeline_checkpoint import TensorPipelineCheckpointer
-
-        checkpointer = TensorPipelineCheckpointer(
-            train_config, distribution, stage, optimizer, step, loop.seed_generator_states(model),
-            zero=pipeline_step.zero)
-    elif pipelined:
-        checkpointer = pipeline_run.PipelineCheckpointer(
-            train_config, distribution, stage, optimizer, step, loop.seed_generator_states(model),
-            zero=pipeline_step.zero)
-    else:
-        checkpointer = loop.make_checkpointer(train_config, distribution, model, optimizer, step,
-                                              zero)
-    # One data position per input pipeline (the ranks of a tensor group and
-    # the stages of a pipeline share theirs; its first rank writes it).
+    # Checkpoints: every rank saves its part of the state, and the first
+    # rank of each input pipeline its position (the ranks of a tensor group
+    # and the stages of a pipeline share one).
+    checkpointer = loop.make_checkpointer(
+        train_config, distribution, model, optimizer, step,
+        zero=pipeline_step.zero if pipelined else zero, stage=stage if pipelined else None,
+        data_cursor=data_cursor)
     data_index, pipelines = distribution.data_shard()
-    data_directory = os.path.join(out, "data", f"worker-{data_index:05d}-of-{pipelines:05d}")
     if train_config.resume and checkpointer.latest:
-        checkpointer.restore_latest()
-        data_path = os.path.join(data_directory, f"ckpt-{int(step.numpy())}")
+        if global_order:
+            elastic_training.check_resumable(checkpointer.latest, "--global-order")
+        path = checkpointer.restore_latest()
         replicas_per_worker = distribution.size // pipelines
-        if not iterator_checkpointable:
+        if global_order:
+            cursor = int(data_cursor.numpy())
+            iterator = train_batches(train_config.seed, cursor=cursor)
+            position = f"data position {cursor} of the global order"
+        elif not iterator_checkpointable:
             iterator = train_batches(train_config.seed, skip=int(step.numpy()) * replicas_per_worker)
             position = "the next unseen batch (replayed)"
-        elif os.path.exists(data_path + ".index"):
-            tf.train.Checkpoint(iterator=iterator).restore(data_path).assert_existing_objects_matched()
+        elif checkpointer.restore_input(path, iterator, data_index, pipelines):
             position = "the next unseen batch"
         else:
             # Another worker count than the saved run: no position to take over.
@@ -318,14 +317,10 @@ def train(train_config, model_overrides, distribution):
             position = (
                 f"data reshuffled (no position saved for {pipelines} worker(s))"
             )
-        report.info(f"resumed from {checkpointer.latest} at step {int(step.numpy())}, {position}")
-    data_checkpointer = (
-        Checkpointer(data_directory, distribution.layout is None
-                     or distribution.layout.coordinates()[1:] == (0, 0),
-                     keep=train_config.keep_checkpoints, iterator=iterator)
-        if iterator_checkpointable
-        else None
-    )
+        report.info(f"resumed from {path} at step {int(step.numpy())}, {position}")
+    if iterator_checkpointable:
+        checkpointer.track_input(iterator, data_index, pipelines, writes=(
+            distribution.layout is None or distribution.layout.coordinates()[1:] == (0, 0)))
     checkpointer.write_run_files(run_files, tokenizer_path=tokenizer_path)
     # Keras 3 creates the optimizer's slots in build(), so rank 0's full
     # state can be broadcast before the first step (Horovod's TF1-era
@@ -341,17 +336,22 @@ def train(train_config, model_overrides, distribution):
         optimizer=optimizer,
         step=step,
         train_step=train_step,
-        batches=batches_naming_bad_shards(iterator, train_config.data, "train"),
+        batches=distribution.one_batch_per_group(
+            batches_naming_bad_shards(iterator, train_config.data, "train"),
+            every_step=getattr(distribution.options, "check_batches", False)),
         checkpointer=checkpointer,
         steps=train_config.steps,
         global_batch=global_batch,
         sequence_length=sequence_length,
-        data_checkpointer=data_checkpointer,
         perplexity=True,
+        after_step=(lambda done: data_cursor.assign_add(global_batch)) if global_order else None,
     )
     # The training input is done with: its teardown must not hold up the end.
-    loop.release_in_background(iterator, data_checkpointer)
-    del iterator, data_checkpointer
+    checkpointer.track_input(None, data_index, pipelines, writes=False)
+    loop.release_in_background(iterator)
+    del iterator
+    if pipelined:  # every rank's whole model up to date for the validation
+        stage.broadcast_from_owners(distribution.broadcast_from_stage)
 
     return _validate(task, train_config, distribution, report, model, zero, model_config,
                      metrics, int(step.numpy()))
@@ -360,7 +360,8 @@ def train(train_config, model_overrides, distribution):
 def _validate(task, train_config, distribution, report, model, zero, model_config, metrics,
               at_step):
     """Validation after training: logs it and returns `(model, metrics)` with its results."""
-    data_index, pipelines = distribution.data_shard()  # a tensor group reads one part
+    # A tensor group and a pipeline read one part, and compute on its first rank's batches.
+    data_index, pipelines = distribution.data_shard()
     validation = task.dataset(
         train_config.data,
         "val",
@@ -370,11 +371,13 @@ def _validate(task, train_config, distribution, report, model, zero, model_confi
         seed=train_config.seed,
         num_shards=pipelines,
         shard_index=data_index,
+        deterministic=True,
     )
     results = evaluate(
         task,
         EvalStep(model, loss_fn=task.loss, xla=train_config.xla, zero=zero),
-        batches_naming_bad_shards(validation, train_config.data, "val"),
+        distribution.one_batch_per_group(
+            batches_naming_bad_shards(validation, train_config.data, "val")),
         distribution,
         train_config.eval_batches,
         model_config.vocabulary_size,
@@ -407,21 +410,11 @@ def _train_elastic(train_config, distribution, report, *, model, optimizer, step
                     "a lost worker ends the run and none can join")
     data_cursor = tf.Variable(0, dtype=tf.int64, trainable=False, name="data_cursor")
 
-    def build_checkpointer():
-        return loop.make_checkpointer(train_config, distribution, model, optimizer, step,
-                                      data_cursor=data_cursor)
-
-    checkpointer = build_checkpointer()
-    checkpointers = [checkpointer]
-
-    def formation_checkpointer():
-        # A new one only for a new chief (rank 0 lost): the chief's keeps its save count.
-        if checkpointers[-1].is_chief != distribution.is_chief:
-            checkpointers.append(build_checkpointer())
-        return checkpointers[-1]
-
+    # One checkpointer for every formation: it asks who the chief is at each save.
+    checkpointer = loop.make_checkpointer(train_config, distribution, model, optimizer, step,
+                                          data_cursor=data_cursor)
     if train_config.resume and checkpointer.latest and not joining:
-        elastic_training.check_resumable(checkpointer.latest)
+        elastic_training.check_resumable(checkpointer.latest, "--elastic")
         checkpointer.restore_latest()
         report.info(f"resumed from {checkpointer.latest} at step {int(step.numpy())}, data "
                     f"position {int(data_cursor.numpy())} of the global order")
@@ -434,5 +427,5 @@ def _train_elastic(train_config, distribution, report, *, model, optimizer, step
         build_train_step=build_train_step,
         build_batches=lambda cursor: batches_naming_bad_shards(
             train_batches(train_config.seed, cursor=cursor), train_config.data, "train"),
-        build_checkpointer=formation_checkpointer, sequence_length=sequence_length,
+        checkpointer=checkpointer, sequence_length=sequence_length,
     )

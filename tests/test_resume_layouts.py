@@ -1,0 +1,113 @@
+"""Any layout resumes any other's checkpoint and goes on as the uninterrupted run.
+
+Every run here reads one global order of the records (`--global-order`)
+in global batches of 12 sequences, in float32, without dropout and with a
+learning rate that does not scale with the data replicas: whatever the
+layout, step s sees the same batch and takes the same update. Five layouts
+write a checkpoint at step 2 and train on to step 4; each checkpoint is
+resumed on another layout from step 2, which must log the writer's losses
+at steps 3 and 4 within 1e-5.
+
+The pairs (writer -> reader) cover every writer and every reader the
+checkpoint format distinguishes: row shards, tensor slices, pipeline
+stages and their combination, written and read:
+
+    DP2               -> PP2, interleaved (2 virtual stages)
+    ZeRO-3 on 2 ranks -> TP2
+    TP2               -> ZeRO-2 on 3 ranks
+    PP2, 1F1B         -> one process
+    TP2 x PP2, ZeRO-1 -> one process, and -> ZeRO-2 on 3 ranks
+"""
+
+import json
+import shutil
+import sys
+
+import numpy as np
+import pytest
+
+from tests.launch import REPO, horovodrun, run, train_losses
+
+FLAGS = [
+    "--steps", "4", "--save-every", "2", "--keep-checkpoints", "2", "--log-every", "1",
+    "--dropout", "0.0", "--eval-batches", "3", "--peak-flops", "1e11",
+    "--learning-rate", "3e-3", "--warmup-steps", "1", "--no-scale-learning-rate",
+    "--global-order", "--num-layers", "4", "--num-heads", "2", "--hidden-dim", "32",
+    "--intermediate-dim", "48", "--max-sequence-length", "16",
+]
+PIPELINE = ["--pipeline-parallel", "2", "--microbatches", "4"]
+# name: (ranks, flags); 12 sequences per step in every layout.
+LAYOUTS = {
+    "one": (1, ["--batch-size", "12"]),
+    "dp2": (2, ["--batch-size", "6"]),
+    "zero3x2": (2, ["--batch-size", "6", "--zero-stage", "3"]),
+    "zero2x3": (3, ["--batch-size", "4", "--zero-stage", "2"]),
+    "tp2": (2, ["--batch-size", "12", "--tensor-parallel", "2"]),
+    "pp2": (2, ["--batch-size", "12", *PIPELINE]),
+    "pp2-interleaved": (2, ["--batch-size", "12", *PIPELINE, "--pipeline-schedule",
+                            "interleaved", "--virtual-stages", "2"]),
+    "tp2xpp2-zero1": (4, ["--batch-size", "12", "--tensor-parallel", "2", *PIPELINE,
+                          "--zero-stage", "1"]),
+}
+PAIRS = [("dp2", "pp2-interleaved"), ("zero3x2", "tp2"), ("tp2", "zero2x3"), ("pp2", "one"),
+         ("tp2xpp2-zero1", "one"), ("tp2xpp2-zero1", "zero2x3")]
+
+
+def _train(layout, data, out, *extra):
+    ranks, flags = LAYOUTS[layout]
+    command = [REPO / "train_hvd.py", "--data", data, "--out", out, *FLAGS, *flags, *extra]
+    if ranks == 1:
+        return run([sys.executable, *command])
+    return horovodrun(ranks, *command)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_each_layout_resumes_another_layouts_checkpoint_with_the_uninterrupted_losses(
+        tiny_data, tmp_path):
+    writers = sorted({writer for writer, _ in PAIRS})
+    losses = {}
+    for writer in writers:
+        code, output = _train(writer, tiny_data, tmp_path / writer)
+        assert code == 0, output
+        losses[writer] = train_losses(tmp_path / writer)
+        assert sorted(losses[writer]) == [1, 2, 3, 4], output
+    # The layouts are one computation: the writers agree at every step.
+    for writer in writers:
+        for step in (1, 2, 3, 4):
+            assert losses[writer][step] == pytest.approx(losses["dp2"][step], abs=1e-5), (
+                writer, step)
+    assert losses["dp2"][4] < losses["dp2"][1]
+
+    for writer, reader in PAIRS:
+        resumed = tmp_path / f"{writer}-on-{reader}"
+        shutil.copytree(tmp_path / writer, resumed)
+        shutil.rmtree(resumed / "ckpt-4")  # the checkpoint of step 2 is the latest
+        (resumed / "metrics.jsonl").unlink()
+        code, output = _train(reader, tiny_data, resumed, "--resume")
+        assert code == 0, output
+        assert "at step 2, data position 24 of the global order" in output, output
+        got = train_losses(resumed)
+        assert sorted(got) == [3, 4], (writer, reader, got)
+        for step in (3, 4):
+            assert got[step] == pytest.approx(losses[writer][step], abs=1e-5), (
+                writer, reader, step)
+
+    # The ranks of a tensor group validate on one batch (their first rank's):
+    # the same loss as one process on the same model and batches.
+    def validation_loss(run_dir):
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().split()]
+        [loss] = [record["loss"] for record in records if record["split"] == "val"]
+        return loss
+
+    assert validation_loss(tmp_path / "tp2") == pytest.approx(
+        validation_loss(tmp_path / "pp2-on-one"), abs=1e-5)
+
+    # Generation, export and conversion read any layout's checkpoint as the whole model.
+    import tensorflow as tf
+
+    from tfgpt.loading import load_model
+
+    tokens = tf.constant([[1, 2, 3, 4, 5]])
+    np.testing.assert_allclose(load_model(str(tmp_path / "tp2xpp2-zero1"))[0](tokens),
+                               load_model(str(tmp_path / "dp2"))[0](tokens), rtol=0, atol=1e-4)

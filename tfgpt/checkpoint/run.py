@@ -1,0 +1,191 @@
+"""A run directory: its config.json and tokenizer, and the checkpoints every layout shares."""
+
+import json
+import os
+import shutil
+
+import tensorflow as tf
+
+from tfgpt.checkpoint import files
+from tfgpt.checkpoint.state import model_entries, value_of
+
+CONFIG_FILE = "config.json"
+TOKENIZER_FILE = "tokenizer.model"
+
+
+def read_config(directory):
+    """Returns the resolved config saved beside a run's checkpoints."""
+    path = os.path.join(directory, CONFIG_FILE)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no {CONFIG_FILE} in {directory}: not a tfgpt run directory")
+    with open(path) as file:
+        return json.load(file)
+
+
+def write_run_files(directory, config, tokenizer_path=None):
+    """Writes config.json (and copies the tokenizer) into the run directory."""
+    os.makedirs(directory, exist_ok=True)
+    files.write_json_atomically(os.path.join(directory, CONFIG_FILE), config)
+    if tokenizer_path:
+        # A SentencePiece model is always `tokenizer.model` in a run
+        # directory; other tokenizers (a WordPiece vocab.txt) keep their name.
+        name = os.path.basename(tokenizer_path)
+        if name.endswith(".model"):
+            name = TOKENIZER_FILE
+        shutil.copyfile(tokenizer_path, os.path.join(directory, name))
+
+
+def layout_of(distribution):
+    """`(coordinates, description)` of this rank in `distribution`: its
+    (data, pipeline, tensor) coordinates, and what the index records of the
+    layout (two layouts that record the same hold the same per-rank objects)."""
+    layout = getattr(distribution, "layout", None)
+    if layout is None:
+        return (distribution.rank, 0, 0), {"ranks": distribution.num_workers,
+                                           "data_pipeline_tensor": [distribution.num_workers, 1, 1]}
+    options = getattr(distribution, "options", None)
+    cut = None
+    if layout.pipeline > 1:
+        cut = [getattr(options, name) for name in ("virtual_stages", "pipeline_partition")]
+    return layout.coordinates(), {"ranks": layout.size, "pipeline_cut": cut,
+                                  "data_pipeline_tensor": [layout.data, layout.pipeline,
+                                                           layout.tensor]}
+
+
+class RunCheckpointer:
+    """Saves and restores a run's state in `directory`, whatever its layout.
+
+    Every rank writes the parts it is the writer of and its per-rank
+    objects; after a barrier the chief commits the index, so a crash
+    mid-save leaves the previous checkpoint the latest. A restore reads,
+    for each part this rank holds, the region it holds, from a checkpoint
+    of any layout (`tfgpt.checkpoint.files.Reader`).
+
+    Args:
+        directory: str. The run's output directory.
+        distribution: the run's distribution: `rank`, `is_chief`,
+            `allreduce_mean` (the barrier) and its `layout`, read at every
+            save (an elastic run's rank changes).
+        entries: callable `()` -> this rank's `[Entry]`
+            (`tfgpt.checkpoint.state.run_entries`).
+        keep: int. Checkpoints kept (0: all).
+        after_restore: callable `()` run after a restore (ZeRO gathers the
+            weights of its shards), or None.
+    """
+
+    def __init__(self, directory, distribution, entries, keep=3, after_restore=None):
+        self.directory = directory
+        self.distribution = distribution
+        self.entries = entries
+        self.keep = keep
+        self.after_restore = after_restore
+        self._input = None
+
+    @property
+    def is_chief(self):
+        return self.distribution.is_chief
+
+    @property
+    def latest(self):
+        return files.latest(self.directory)
+
+    def write_run_files(self, config, tokenizer_path=None):
+        if self.is_chief:
+            write_run_files(self.directory, config, tokenizer_path)
+
+    def track_input(self, iterator, index, count, writes):
+        """Saves input pipeline `index` of `count`'s position (`iterator`, a
+        checkpointable tf.data iterator; None stops) with each checkpoint;
+        `writes`: this rank writes it (one rank per input pipeline)."""
+        self._input = None if iterator is None else (iterator, index, count, writes)
+
+    @staticmethod
+    def restore_input(path, iterator, index, count):
+        """Restores input pipeline `index` of `count`'s position into `iterator`
+        from checkpoint `path`; False when it holds none (another number of them)."""
+        prefix = os.path.join(path, f"data-{index:05d}-of-{count:05d}")
+        if not os.path.exists(prefix + ".index"):
+            return False
+        tf.train.Checkpoint(iterator=iterator).read(prefix).assert_existing_objects_matched()
+        return True
+
+    def barrier(self):
+        self.distribution.allreduce_mean(tf.constant(0.0))
+
+    def save(self, step):
+        """Writes the checkpoint of `step`; returns its path (None on other ranks)."""
+        step = int(step)
+        coordinates, layout = layout_of(self.distribution)
+        rank = self.distribution.rank
+        root = files.step_directory(self.directory, step)
+        if self.is_chief and os.path.isdir(root):  # an earlier, interrupted save of this step
+            shutil.rmtree(root, ignore_errors=True)
+        self.barrier()
+        written = [entry for entry in self.entries() if entry.writes]
+        files.write_rank(self.directory, step, rank, [value_of(e.variable) for e in written],
+                         [entry.record(rank, coordinates) for entry in written])
+        if self._input is not None and self._input[3]:
+            iterator, index, count, _ = self._input
+            tf.train.Checkpoint(iterator=iterator).write(
+                os.path.join(root, f"data-{index:05d}-of-{count:05d}"))
+        self.barrier()  # every rank's files are on disk
+        if not self.is_chief:
+            return None
+        files.commit(self.directory, step, layout["ranks"], {"layout": layout}, self.keep)
+        return root
+
+    def restore_latest(self):
+        """Restores the newest checkpoint into this rank's parts; returns its path or None."""
+        path = self.latest
+        if not path:
+            return None
+        coordinates, layout = layout_of(self.distribution)
+        reader = files.Reader(path)
+        try:
+            same = reader.index["layout"] == layout
+            for entry in self.entries():
+                if entry.per_rank:
+                    entry.variable.assign(reader.rank_object(entry.key, coordinates, same))
+                    if not same and entry.seed_offset is not None:
+                        entry.seed_offset.offset_seed(entry.variable)
+                else:
+                    entry.variable.assign(reader.part(entry.key, entry.shape, entry.split,
+                                                      entry.tensor, entry.rows and entry.rows[:2]))
+        finally:
+            reader.close()
+        if self.after_restore is not None:
+            self.after_restore()
+        return path
+
+
+def load_weights(directory, model, prefix=""):
+    """Reads a whole `model`'s weights from the latest checkpoint of the run
+    `directory` (any layout wrote it); returns its path.
+
+    `prefix`: what the run's keys have before the model's own (an encoder
+    restored from a model that holds it as `backbone/`).
+    """
+    path = files.latest(directory)
+    if path is None:
+        raise FileNotFoundError(f"no checkpoint (ckpt-N/{files.INDEX_FILE}) in {directory}")
+    reader = files.Reader(path)
+    try:
+        for entry in model_entries(model, prefix):
+            entry.variable.assign(reader.part(entry.key, entry.shape))
+    finally:
+        reader.close()
+    return path
+
+
+def save_weights(directory, model, step=0):
+    """Writes a whole `model`'s weights as checkpoint `step` of `directory`, as a
+    one-process run would (`load_weights` and `--init` read it)."""
+
+    class One:
+        rank, is_chief, num_workers, layout = 0, True, 1, None
+
+        @staticmethod
+        def allreduce_mean(value):
+            return value
+
+    return RunCheckpointer(directory, One, lambda: model_entries(model), keep=0).save(step)
