@@ -173,12 +173,13 @@ def processes(commands, timeout=TIMEOUT_SECONDS):
 
 def _launch(ranks, *command):
     """`python command...` under `horovodrun -np ranks`, or alone when `ranks` is 0;
-    fails the test with the output unless it exits 0."""
+    fails the test with the output unless it exits 0. Returns the output."""
     if ranks == 0:
         code, output = run([sys.executable, *command])
     else:
         code, output = horovodrun(ranks, *command)
     assert code == 0, output
+    return output
 
 
 def _load(directory, tag, ranks):
@@ -200,8 +201,9 @@ def run_and_load(script, directory, tag, ranks, *flags):
 def launch_each(script, ranks, runs):
     """Runs `script` once for each argument list of `runs`, in one launch
     (`tests/hvd_scripts/many.py`): one after another in the same processes,
-    each as it would alone. `ranks` as `run_and_load`'s (no `--global` added)."""
-    _launch(ranks, MANY, script, json.dumps([[str(argument) for argument in run]
+    each as it would alone. `ranks` as `run_and_load`'s (no `--global` added).
+    Returns the output."""
+    return _launch(ranks, MANY, script, json.dumps([[str(argument) for argument in run]
                                              for run in runs]))
 
 
