@@ -6,7 +6,9 @@ import shutil
 
 import tensorflow as tf
 
-from tfgpt.checkpoint import files
+from tfgpt.checkpoint.files import (
+    INDEX_FILE, Reader, commit, latest, step_directory, write_json_atomically, write_rank,
+)
 from tfgpt.checkpoint.state import model_entries, value_of
 
 CONFIG_FILE = "config.json"
@@ -25,7 +27,7 @@ def read_config(directory):
 def write_run_files(directory, config, tokenizer_path=None):
     """Writes config.json (and copies the tokenizer) into the run directory."""
     os.makedirs(directory, exist_ok=True)
-    files.write_json_atomically(os.path.join(directory, CONFIG_FILE), config)
+    write_json_atomically(os.path.join(directory, CONFIG_FILE), config)
     if tokenizer_path:
         # A SentencePiece model is always `tokenizer.model` in a run
         # directory; other tokenizers (a WordPiece vocab.txt) keep their name.
@@ -87,7 +89,7 @@ class RunCheckpointer:
 
     @property
     def latest(self):
-        return files.latest(self.directory)
+        return latest(self.directory)
 
     def write_run_files(self, config, tokenizer_path=None):
         if self.is_chief:
@@ -117,12 +119,12 @@ class RunCheckpointer:
         step = int(step)
         coordinates, layout = layout_of(self.distribution)
         rank = self.distribution.rank
-        root = files.step_directory(self.directory, step)
+        root = step_directory(self.directory, step)
         if self.is_chief and os.path.isdir(root):  # an earlier, interrupted save of this step
             shutil.rmtree(root, ignore_errors=True)
         self.barrier()
         written = [entry for entry in self.entries() if entry.writes]
-        files.write_rank(self.directory, step, rank, [value_of(e.variable) for e in written],
+        write_rank(self.directory, step, rank, [value_of(e.variable) for e in written],
                          [entry.record(rank, coordinates) for entry in written])
         if self._input is not None and self._input[3]:
             iterator, index, count, _ = self._input
@@ -131,7 +133,7 @@ class RunCheckpointer:
         self.barrier()  # every rank's files are on disk
         if not self.is_chief:
             return None
-        files.commit(self.directory, step, layout["ranks"], {"layout": layout}, self.keep)
+        commit(self.directory, step, layout["ranks"], {"layout": layout}, self.keep)
         return root
 
     def restore_latest(self):
@@ -140,7 +142,7 @@ class RunCheckpointer:
         if not path:
             return None
         coordinates, layout = layout_of(self.distribution)
-        reader = files.Reader(path)
+        reader = Reader(path)
         try:
             same = reader.index["layout"] == layout
             for entry in self.entries():
@@ -165,10 +167,10 @@ def load_weights(directory, model, prefix=""):
     `prefix`: what the run's keys have before the model's own (an encoder
     restored from a model that holds it as `backbone/`).
     """
-    path = files.latest(directory)
+    path = latest(directory)
     if path is None:
-        raise FileNotFoundError(f"no checkpoint (ckpt-N/{files.INDEX_FILE}) in {directory}")
-    reader = files.Reader(path)
+        raise FileNotFoundError(f"no checkpoint (ckpt-N/{INDEX_FILE}) in {directory}")
+    reader = Reader(path)
     try:
         for entry in model_entries(model, prefix):
             entry.variable.assign(reader.part(entry.key, entry.shape))
