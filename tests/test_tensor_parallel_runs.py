@@ -143,20 +143,19 @@ from tfgpt.distributed.horovod_bridge import HorovodDistribution
 
 distribution = HorovodDistribution.create(HorovodOptions(tensor_parallel=2))
 rank = distribution.rank
-batches = [(tf.constant([[1, 2, 3]]) + rank + step, tf.constant([[2, 3, 4]]) + rank)
-           for step in range(2)]
-# Each rank read its own batches: the group computes on its first rank's.
-for batch in distribution.one_batch_per_group(iter(batches), every_step=True):
-    print(f"rank {rank} computes on", batch[0].numpy().tolist(), batch[1].numpy().tolist())
+# The same first batch on both ranks, then each rank a batch of its own.
+batches = [(tf.constant([[1, 2, 3]]), tf.constant([[2, 3, 4]])),
+           (tf.constant([[5, 6, 7]]) + rank, tf.constant([[6, 7, 8]]))]
 try:
-    distribution.check_one_batch(batches[0], step=3)  # what it read, not broadcast
+    for batch in distribution.one_batch_per_group(iter(batches), every_step=True):
+        print(f"rank {rank} computes on", batch[0].numpy().tolist())
 except ValueError as error:
     print(f"rank {rank} error: {error}")
 """
 
 
 @pytest.mark.distributed
-def test_a_tensor_group_computes_on_one_batch_and_two_batches_are_one_error_line(tmp_path):
+def test_two_ranks_of_a_tensor_group_on_different_batches_is_one_error_line(tmp_path):
     script = tmp_path / "batch_check.py"
     script.write_text(BATCH_CHECK)
     code, output = horovodrun(2, script)
@@ -164,7 +163,7 @@ def test_a_tensor_group_computes_on_one_batch_and_two_batches_are_one_error_line
     for rank in (0, 1):
         computed = [line.split(" computes on ")[1] for line in output.splitlines()
                     if f"rank {rank} computes on " in line]
-        assert computed == ["[[1, 2, 3]] [[2, 3, 4]]", "[[2, 3, 4]] [[2, 3, 4]]"], output
+        assert computed == ["[[1, 2, 3]]"], output
         [line] = [line for line in output.splitlines() if f"rank {rank} error:" in line]
-        assert ("the ranks [0, 1] of one tensor group hold different batches at step 3 "
+        assert ("the ranks [0, 1] of one tensor group hold different batches at step 2 "
                 "(fingerprints rank 0: ") in line and ", rank 1: " in line, line

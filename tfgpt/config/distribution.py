@@ -117,8 +117,7 @@ class HorovodOptions:
             last stage).
         check_batches: bool. Compare a fingerprint of every step's batch
             across each tensor group and pipeline (one allgather each), not
-            only of the first step's: a debugging aid (the ranks of a
-            tensor group compute on their first rank's batch, broadcast).
+            only of the first step's: a debugging aid.
     """
 
     CHOICES = {"zero_stage": ZERO_STAGES, "pipeline_schedule": PIPELINE_SCHEDULES,

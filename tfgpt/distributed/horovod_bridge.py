@@ -380,28 +380,24 @@ class HorovodDistribution(LocalDistribution):
         return result
 
     def one_batch_per_group(self, batches, every_step=False):
-        """Yields `batches` as the ranks that compute on one batch must see them.
+        """Yields `batches`, checked to be one batch across each group that
+        computes on one.
 
-        The ranks of a tensor group compute one forward pass on one batch:
-        each batch is its first rank's, broadcast over the group (Megatron-
-        LM's `broadcast_data`), so that two ranks cannot silently compute
-        on two inputs whatever their input pipelines do. The stages of a
-        pipeline read the inputs (the first) and the targets (the last) of
-        one batch. At the first step (every step with `every_step`) a
-        fingerprint of the batch is compared across both groups
-        (`check_one_batch`).
+        The ranks of a tensor group compute one forward pass on one batch,
+        and the stages of a pipeline read the inputs (the first) and the
+        targets (the last) of one batch: they read the same input pipeline
+        in a deterministic order. At the first step (every step with
+        `every_step`) a fingerprint of the batch is compared across both
+        groups (`check_one_batch`), so that ranks that read different
+        batches stop with one line naming them instead of training on two
+        inputs. (A broadcast of each batch from the group's first rank, as
+        Megatron-LM's `broadcast_data` does, ran eagerly outside the step
+        and held a survivor forever once its peer died.)
         """
-        tensor_slice = self.tensor_slice
-        if tensor_slice is None and self.pipeline_process_set is None:
+        if self.tensor_slice is None and self.pipeline_process_set is None:
             yield from batches  # every rank computes on its own batches
             return
-        root = self.layout.tensor_group()[0]
         for step, batch in enumerate(batches, 1):
-            if tensor_slice is not None:
-                batch = tf.nest.map_structure(
-                    lambda value: self._hvd.broadcast(value, root_rank=root,
-                                                      process_set=tensor_slice.process_set),
-                    batch)
             if step == 1 or every_step:
                 self.check_one_batch(batch, step)
             yield batch

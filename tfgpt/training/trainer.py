@@ -360,7 +360,7 @@ def train(train_config, model_overrides, distribution):
 def _validate(task, train_config, distribution, report, model, zero, model_config, metrics,
               at_step):
     """Validation after training: logs it and returns `(model, metrics)` with its results."""
-    # A tensor group and a pipeline read one part, and compute on its first rank's batches.
+    # A tensor group and a pipeline read one part, in one order (checked at the first batch).
     data_index, pipelines = distribution.data_shard()
     validation = task.dataset(
         train_config.data,
