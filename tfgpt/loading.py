@@ -15,11 +15,12 @@ import dataclasses
 import json
 import os
 
-
+from tfgpt.checkpoint import (
+    CONFIG_FILE, TOKENIZER_FILE, load_weights, save_weights, write_run_files,
+)
 from tfgpt.config import GPTConfig
 from tfgpt.models.gpt import GPT
 from tfgpt.tokenizers.byte_pair_tokenizer import BytePairTokenizer
-from tfgpt.checkpoint import CONFIG_FILE, TOKENIZER_FILE, load_weights, save_weights
 
 
 def load_model(directory, dtype=None):
@@ -63,11 +64,8 @@ def save_model(directory, model, tokenizer=None):
     a `BytePairTokenizer` is saved as `vocab.json` and `merges.txt`, a
     SentencePiece one as `tokenizer.model`.
     """
-    os.makedirs(directory, exist_ok=True)
     fields = {field.name: getattr(model, field.name) for field in dataclasses.fields(GPTConfig)}
-    with open(os.path.join(directory, CONFIG_FILE), "w") as file:
-        json.dump({"model": fields}, file, indent=2, sort_keys=True)
-        file.write("\n")
+    write_run_files(directory, {"model": fields})
     save_weights(directory, model)
     if isinstance(tokenizer, BytePairTokenizer):
         tokenizer.save(directory)

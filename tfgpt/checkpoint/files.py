@@ -74,7 +74,8 @@ def _steps(directory):
 
 def check_format(directory):
     """Raises, in one line, for a run directory with checkpoints of an earlier tfgpt."""
-    if os.path.exists(os.path.join(directory, "checkpoint")) and not any(_steps(directory).values()):
+    earlier = os.path.exists(os.path.join(directory, "checkpoint"))
+    if earlier and not any(_steps(directory).values()):
         raise ValueError(
             f"{directory} holds TensorFlow checkpoint files (ckpt-N.index) of an earlier tfgpt, "
             "not chunked checkpoints (ckpt-N/index.json): this version does not read them; "

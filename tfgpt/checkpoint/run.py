@@ -10,6 +10,7 @@ from tfgpt.checkpoint.files import (
     INDEX_FILE, Reader, commit, latest, step_directory, write_json_atomically, write_rank,
 )
 from tfgpt.checkpoint.state import model_entries, value_of
+from tfgpt.distributed.local import LocalDistribution
 
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.model"
@@ -35,6 +36,11 @@ def write_run_files(directory, config, tokenizer_path=None):
         if name.endswith(".model"):
             name = TOKENIZER_FILE
         shutil.copyfile(tokenizer_path, os.path.join(directory, name))
+
+
+def _input_prefix(path, index, count):
+    """Where checkpoint `path` holds input pipeline `index` of `count`'s position."""
+    return os.path.join(path, f"data-{index:05d}-of-{count:05d}")
 
 
 def layout_of(distribution):
@@ -95,17 +101,18 @@ class RunCheckpointer:
         if self.is_chief:
             write_run_files(self.directory, config, tokenizer_path)
 
-    def track_input(self, iterator, index, count, writes):
+    def track_input(self, iterator, index=0, count=1):
         """Saves input pipeline `index` of `count`'s position (`iterator`, a
-        checkpointable tf.data iterator; None stops) with each checkpoint;
-        `writes`: this rank writes it (one rank per input pipeline)."""
-        self._input = None if iterator is None else (iterator, index, count, writes)
+        checkpointable tf.data iterator; None stops) with each checkpoint.
+        Its first rank writes it: the ranks of a tensor group and the stages
+        of a pipeline share one."""
+        self._input = None if iterator is None else (iterator, index, count)
 
     @staticmethod
     def restore_input(path, iterator, index, count):
         """Restores input pipeline `index` of `count`'s position into `iterator`
         from checkpoint `path`; False when it holds none (another number of them)."""
-        prefix = os.path.join(path, f"data-{index:05d}-of-{count:05d}")
+        prefix = _input_prefix(path, index, count)
         if not os.path.exists(prefix + ".index"):
             return False
         tf.train.Checkpoint(iterator=iterator).read(prefix).assert_existing_objects_matched()
@@ -125,11 +132,10 @@ class RunCheckpointer:
         self.barrier()
         written = [entry for entry in self.entries() if entry.writes]
         write_rank(self.directory, step, rank, [value_of(e.variable) for e in written],
-                         [entry.record(rank, coordinates) for entry in written])
-        if self._input is not None and self._input[3]:
-            iterator, index, count, _ = self._input
-            tf.train.Checkpoint(iterator=iterator).write(
-                os.path.join(root, f"data-{index:05d}-of-{count:05d}"))
+                   [entry.record(rank, coordinates) for entry in written])
+        if self._input is not None and tuple(coordinates[1:]) == (0, 0):
+            iterator, index, count = self._input
+            tf.train.Checkpoint(iterator=iterator).write(_input_prefix(root, index, count))
         self.barrier()  # every rank's files are on disk
         if not self.is_chief:
             return None
@@ -182,12 +188,5 @@ def load_weights(directory, model, prefix=""):
 def save_weights(directory, model, step=0):
     """Writes a whole `model`'s weights as checkpoint `step` of `directory`, as a
     one-process run would (`load_weights` and `--init` read it)."""
-
-    class One:
-        rank, is_chief, num_workers, layout = 0, True, 1, None
-
-        @staticmethod
-        def allreduce_mean(value):
-            return value
-
-    return RunCheckpointer(directory, One, lambda: model_entries(model), keep=0).save(step)
+    return RunCheckpointer(directory, LocalDistribution(), lambda: model_entries(model),
+                           keep=0).save(step)

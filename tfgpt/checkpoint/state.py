@@ -4,8 +4,9 @@ A part (`Entry`) is a variable of this rank and the region of a global
 tensor it holds: the key is the variable's path in the whole model, with
 the model's own name left out and a layer it holds named by its attribute
 (`backbone/`), so that the key does not depend on the names Keras gives
-models in a process (a second GPT is `gpt_1`, a backbone `bert_backbone`), `/momentum` or `/velocity` after it for the
-optimizer's moments, `optimizer/...` for the optimizer's own counters,
+models in a process (a second GPT is `gpt_1`, a backbone
+`bert_backbone`); `/momentum` or `/velocity` after it for the optimizer's
+moments, `optimizer/...` for the optimizer's own counters,
 `step` and `data_cursor` for the run's. The region follows from the
 layout: a tensor slice (`tfgpt.distributed.tensor_parallel` split rules),
 a ZeRO shard's rows (`tfgpt.distributed.zero`), the blocks of a pipeline

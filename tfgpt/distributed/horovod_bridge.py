@@ -419,10 +419,10 @@ class HorovodDistribution(LocalDistribution):
             prints = self._hvd.allgather(tf.reshape(fingerprint, [1]),
                                          process_set=process_set).numpy()
             if len(set(prints.tolist())) > 1:
+                found = ", ".join(f"rank {rank}: {value:.0f}" for rank, value in zip(group, prints))
                 raise ValueError(
                     f"the ranks {group} of one {kind} hold different batches at step {step} "
-                    f"(fingerprints {', '.join(f'rank {r}: {p:.0f}' for r, p in zip(group, prints))}"
-                    "): they must compute on one batch")
+                    f"(fingerprints {found}): they must compute on one batch")
 
     def allreduce_mean(self, value):
         """Averages a tensor over all workers."""

@@ -23,6 +23,7 @@ Example:
 import dataclasses
 import os
 
+from tfgpt.checkpoint import read_config, write_json_atomically
 from tfgpt.finetuning.data import (
     copy_tokenizer,
     encode_training_records,
@@ -40,7 +41,6 @@ from tfgpt.finetuning.task_models import (
     span_loss,
 )
 from tfgpt.training import loop
-from tfgpt.checkpoint import read_config, write_json_atomically
 from tfgpt.training.reporter import Reporter
 from tfgpt.training.train_step import TrainStep
 

@@ -22,7 +22,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfgpt import kernels
-from tfgpt.checkpoint import files as checkpoint_files
+from tfgpt.checkpoint import latest
 from tfgpt.checkpoint import run as checkpoint_run
 from tfgpt.checkpoint.state import replicated_optimizer_variables, run_entries
 from tfgpt.models.gpt import GPT
@@ -41,7 +41,7 @@ class TrainingDiverged(RuntimeError):
 
 def existing_checkpoints(config):
     """Whether `config.out` holds checkpoints; raises unless `config.resume`."""
-    found = checkpoint_files.latest(config.out) is not None
+    found = latest(config.out) is not None
     if found and not config.resume:
         raise ValueError(
             f"--out {config.out} already holds checkpoints: pass --resume to continue "

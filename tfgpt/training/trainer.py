@@ -319,8 +319,7 @@ def train(train_config, model_overrides, distribution):
             )
         report.info(f"resumed from {path} at step {int(step.numpy())}, {position}")
     if iterator_checkpointable:
-        checkpointer.track_input(iterator, data_index, pipelines, writes=(
-            distribution.layout is None or distribution.layout.coordinates()[1:] == (0, 0)))
+        checkpointer.track_input(iterator, data_index, pipelines)
     checkpointer.write_run_files(run_files, tokenizer_path=tokenizer_path)
     # Keras 3 creates the optimizer's slots in build(), so rank 0's full
     # state can be broadcast before the first step (Horovod's TF1-era
@@ -347,7 +346,7 @@ def train(train_config, model_overrides, distribution):
         after_step=(lambda done: data_cursor.assign_add(global_batch)) if global_order else None,
     )
     # The training input is done with: its teardown must not hold up the end.
-    checkpointer.track_input(None, data_index, pipelines, writes=False)
+    checkpointer.track_input(None)
     loop.release_in_background(iterator)
     del iterator
     if pipelined:  # every rank's whole model up to date for the validation
