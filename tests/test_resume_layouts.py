@@ -16,7 +16,10 @@ stages and their combination, written and read:
     ZeRO-3 on 2 ranks -> TP2
     TP2               -> ZeRO-2 on 3 ranks
     PP2, 1F1B         -> one process
-    TP2 x PP2, ZeRO-1 -> one process
+    DP2 x PP2 x TP2, ZeRO-1 -> one process
+
+The 3D writer also reports its shards at start-up (each stage's slice's
+moments in its 2 data replicas' rows) and writes each replica's rows.
 """
 
 import json
@@ -45,11 +48,12 @@ LAYOUTS = {
     "pp2": (2, ["--batch-size", "12", *PIPELINE]),
     "pp2-interleaved": (2, ["--batch-size", "12", *PIPELINE, "--pipeline-schedule",
                             "interleaved", "--virtual-stages", "2"]),
-    "tp2xpp2-zero1": (4, ["--batch-size", "12", "--tensor-parallel", "2", *PIPELINE,
-                          "--zero-stage", "1"]),
+    "dp2xpp2xtp2-zero1": (8, ["--batch-size", "6", "--tensor-parallel", "2",
+                              "--pipeline-parallel", "2", "--microbatches", "2",
+                              "--zero-stage", "1"]),
 }
 PAIRS = [("dp2", "pp2-interleaved"), ("zero3x2", "tp2"), ("tp2", "zero2x3"), ("pp2", "one"),
-         ("tp2xpp2-zero1", "one")]
+         ("dp2xpp2xtp2-zero1", "one")]
 
 
 def _train_each(data, runs):
@@ -67,9 +71,12 @@ def _train_each(data, runs):
 def test_each_layout_resumes_another_layouts_checkpoint_with_the_uninterrupted_losses(
         tiny_data, tmp_path):
     writers = sorted({writer for writer, _ in PAIRS})
+    outputs = {}
     for ranks in sorted({LAYOUTS[writer][0] for writer in writers}):
-        _train_each(tiny_data, [(writer, tmp_path / writer) for writer in writers
-                                if LAYOUTS[writer][0] == ranks])
+        outputs[ranks] = _train_each(tiny_data, [(writer, tmp_path / writer)
+                                                 for writer in writers
+                                                 if LAYOUTS[writer][0] == ranks])
+    _assert_three_d_zero_1_shards(outputs[8], tmp_path / "dp2xpp2xtp2-zero1")
     losses = {writer: train_losses(tmp_path / writer) for writer in writers}
     # The layouts are one computation: the writers agree at every step.
     for writer in writers:
@@ -114,5 +121,18 @@ def test_each_layout_resumes_another_layouts_checkpoint_with_the_uninterrupted_l
     from tfgpt.loading import load_model
 
     tokens = tf.constant([[1, 2, 3, 4, 5]])
-    np.testing.assert_allclose(load_model(str(tmp_path / "tp2xpp2-zero1"))[0](tokens),
+    np.testing.assert_allclose(load_model(str(tmp_path / "dp2xpp2xtp2-zero1"))[0](tokens),
                                load_model(str(tmp_path / "dp2"))[0](tokens), rtol=0, atol=1e-4)
+
+
+def _assert_three_d_zero_1_shards(output, run_dir):
+    from tests.test_zero_groups import _assert_rank_lines_show_shards
+
+    assert ("state per rank (ZeRO stage 1, 2 data replica(s) x pipeline 2 x tensor 2, this "
+            "rank's stage's slice): parameters ") in output, output
+    _assert_rank_lines_show_shards(output, 4)
+    # A stage's slice's moment (C = 32 rows): each data replica wrote its half.
+    index = json.loads((run_dir / "ckpt-4" / "index.json").read_text())
+    chunks = index["keys"]["block_1/attention/query_key_value/kernel/momentum"]["chunks"]
+    assert sorted((chunk["tensor"][1], chunk["rows"][0]) for chunk in chunks) == [
+        (0, 0), (0, 16), (1, 0), (1, 16)], chunks
