@@ -21,7 +21,7 @@ def main(argv=None):
 
     # Devices.
     # Horovod: imported late so that --help works without a Horovod build.
-    from tfgpt.distributed.horovod_bridge import HorovodDistribution as Distribution
+    from tfgpt.parallel.horovod_bridge import HorovodDistribution as Distribution
 
     # Horovod: one process per device, a GPU or a share of the CPU cores each.
     # Horovod: rank 0 logs and writes checkpoints; the others stay silent.

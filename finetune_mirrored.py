@@ -19,7 +19,7 @@ def main(argv=None):
 
     # Devices.
     # Distribute: imported late so that --help does not start TensorFlow.
-    from tfgpt.distributed.strategy import StrategyDistribution as Distribution
+    from tfgpt.parallel.strategy import StrategyDistribution as Distribution
 
     # Distribute: replicas from the strategy, variables mirrored on them.
     # Distribute: workers on one machine split its CPU cores, as Horovod's ranks do.

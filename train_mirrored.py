@@ -7,7 +7,9 @@
 the same as train_hvd.py's, and StrategyOptions'.
 """
 
-from tfgpt.config.distribution import StrategyOptions as Options  # Distribute: its flags
+from tfgpt.config.distribution import (
+    StrategyOptions as Options,  # Distribute: its flags
+)
 from tfgpt.training.front_end import TRAIN as COMMAND
 from tfgpt.training.front_end import exit_after_run
 
@@ -18,7 +20,7 @@ def main(argv=None):
 
     # Devices.
     # Distribute: imported late so that --help does not start TensorFlow.
-    from tfgpt.distributed.strategy import StrategyDistribution as Distribution
+    from tfgpt.parallel.strategy import StrategyDistribution as Distribution
 
     # Distribute: replicas from the strategy, variables mirrored on them.
     # Distribute: workers on one machine split its CPU cores, as Horovod's ranks do.

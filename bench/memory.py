@@ -20,7 +20,7 @@ run `TrainStep` on random tokens, and each writes its own figures to a JSON
 file that this process collects (`ru_maxrss` of a horovodrun child would
 be horovodrun's, not a rank's):
 
-- computed: `tfgpt.distributed.zero.state_bytes` of the rank, "state"
+- computed: `tfgpt.parallel.zero.state_bytes` of the rank, "state"
   (parameters, gradients, AdamW moments) and "total" (stage 3 adds the
   largest unit's gathered weights and their gradients);
 - peak RSS: the rank's VmHWM at the end, the table shows the largest rank;
@@ -130,7 +130,7 @@ def budget_depth(fields, stage, workers, budget_bytes, overhead_bytes):
     8
     """
     from tfgpt.config.distribution import ZERO_STAGES
-    from tfgpt.distributed.zero import state_bytes
+    from tfgpt.parallel.zero import state_bytes
 
     if stage not in ZERO_STAGES:
         raise ValueError(f"`stage` must be one of {ZERO_STAGES}. Received: stage={stage!r}")
@@ -202,9 +202,9 @@ def worker_main(argv):
 
     from tfgpt import GPT
     from tfgpt.config import TrainConfig
-    from tfgpt.distributed import LocalDistribution
     from tfgpt.layers.transformer_block import set_recompute
-    from tfgpt.training.optimizers import make_optimizer
+    from tfgpt.optim.optimizers import make_optimizer
+    from tfgpt.parallel import LocalDistribution
     from tfgpt.training.train_step import TrainStep
 
     keras.utils.set_random_seed(0)
@@ -237,16 +237,15 @@ def zero_worker(args):
 
     from tfgpt import GPT
     from tfgpt.config import TrainConfig
-    from tfgpt.distributed.horovod_bridge import HorovodDistribution
-    from tfgpt.distributed.zero import state_bytes
     from tfgpt.layers.transformer_block import set_recompute
+    from tfgpt.parallel.horovod_bridge import HorovodDistribution
+    from tfgpt.parallel.zero import state_bytes
     from tfgpt.training import loop
     from tfgpt.training.front_end import exit_after_run
     from tfgpt.training.train_step import TrainStep
 
-    distribution = HorovodDistribution()
+    distribution = HorovodDistribution(zero_stage=args.zero_stage)
     distribution.configure_devices(towers=1)
-    distribution.zero_stage = args.zero_stage
     runtime = _status_kib("VmRSS")
     config = TrainConfig(data="-", warmup_steps=0, xla=args.xla)
     model, optimizer, step_variable, zero = loop.build_model_and_optimizer(
@@ -433,7 +432,7 @@ def zero_table(rows):
           gib(row["peak_rss"] - row["runtime_rss"] - row["computed"]["total"])]
          for row in rows],
     )
-    print("GiB per rank; computed: tfgpt.distributed.zero.state_bytes (state: parameters, "
+    print("GiB per rank; computed: tfgpt.parallel.zero.state_bytes (state: parameters, "
           "gradients, AdamW moments; total: + stage 3's largest gathered unit); peak RSS: the "
           "largest rank's VmHWM; runtime: its RSS before building the model; rest: peak - "
           "runtime - computed total; vs 0: against stage 0 at the same workers")

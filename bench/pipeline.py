@@ -180,7 +180,7 @@ def measure_training(steps):
     import tensorflow as tf
 
     import tfgpt
-    from tfgpt.distributed import LocalDistribution
+    from tfgpt.parallel import LocalDistribution
     from tfgpt.training.train_step import TrainStep
 
     model = tfgpt.GPT.from_preset("gpt-mini")

@@ -62,12 +62,12 @@ def _worker(args):
     import tensorflow as tf
 
     from tfgpt import GPT
-    from tfgpt.config.models import GPT_PRESETS
     from tfgpt.config.distribution import HorovodOptions
+    from tfgpt.config.models import GPT_PRESETS
     from tfgpt.config.training import TrainConfig
-    from tfgpt.distributed.horovod_bridge import HorovodDistribution
+    from tfgpt.optim.optimizers import make_optimizer
+    from tfgpt.parallel.horovod_bridge import HorovodDistribution
     from tfgpt.training.front_end import exit_after_run
-    from tfgpt.training.optimizers import make_optimizer
 
     pipelined = args.mode == "pp"
     options = HorovodOptions(
@@ -98,9 +98,9 @@ def _worker(args):
         0, model.vocabulary_size, (rows, length + 1), dtype=np.int32)
     batch = (tf.constant(tokens[:, :-1]), tf.constant(tokens[:, 1:]))
     if pipelined:
-        from tfgpt.distributed.pipeline_executor import PipelineTrainStep
-        from tfgpt.distributed.pipeline_schedule import PipelineSchedule
-        from tfgpt.distributed.pipeline_stage import PipelineStage
+        from tfgpt.parallel.pipeline_executor import PipelineTrainStep
+        from tfgpt.parallel.pipeline_schedule import PipelineSchedule
+        from tfgpt.parallel.pipeline_stage import PipelineStage
 
         schedule = PipelineSchedule(args.schedule, 2, args.microbatches, options.virtual_stages)
         stage = PipelineStage(model, schedule, distribution.rank, sequence_length=length)

@@ -24,7 +24,6 @@ import glob
 import os
 import re
 
-
 # Ops of the attention layer between its two projections (scores, mask,
 # softmax, the head layout), forward and gradient.
 _ATTENTION_CORE = re.compile(r"/attention(_\d+)?/(?!query_key_value|output_projection)")

@@ -24,7 +24,7 @@ pipeline    reader tokens/s against gpt-mini's training consumption
 MFU = achieved model FLOPs / measured peak, with model FLOPs per token
 6 N + 12 L C T (N: parameters used in matmuls, the position table left out;
 L layers, C width, T context: attention's QK^T and AV, causal half not
-subtracted; tfgpt/training/flops.py), and the peak measured in the same run
+subtracted; tfgpt/observe/flops.py), and the peak measured in the same run
 by a chain of 2048 x 2048 matmuls in TensorFlow in the same dtype and
 threads. "tokens/CPU-s" divides by the CPU time the worker used instead of
 wall time: on a machine shared with other jobs it shows the work per token

@@ -114,7 +114,7 @@ def _tf_worker(args, batches):
 
     inter_op_threads = args.inter_op_threads or min(2, args.threads)
     try:
-        from tfgpt.distributed.cpu_threads import configure_cpu_threads, resolve_towers
+        from tfgpt.parallel.cpu_threads import configure_cpu_threads, resolve_towers
     except ImportError:  # a checkout from before towers (--tfgpt-path)
         towers = 1
         tf.config.threading.set_intra_op_parallelism_threads(args.threads)
@@ -126,9 +126,9 @@ def _tf_worker(args, batches):
     import tfgpt
     from tfgpt import GPT
     from tfgpt.config import TrainConfig
-    from tfgpt.distributed import LocalDistribution
-    from tfgpt.training import flops
-    from tfgpt.training.optimizers import make_optimizer
+    from tfgpt.observe import flops
+    from tfgpt.optim.optimizers import make_optimizer
+    from tfgpt.parallel import LocalDistribution
     from tfgpt.training.train_step import TrainStep
 
     keras.config.set_dtype_policy("mixed_bfloat16" if args.precision == "bf16" else "float32")
@@ -161,7 +161,12 @@ def _torch_worker(args, batches):
     torch.set_num_threads(args.threads)
     torch.set_num_interop_threads(min(2, args.threads))
     sys.path.insert(0, REPO)
-    from bench.torch_gpt import TorchGPT, TorchTrainStep, flops_per_token, make_optimizer
+    from bench.torch_gpt import (
+        TorchGPT,
+        TorchTrainStep,
+        flops_per_token,
+        make_optimizer,
+    )
     from tfgpt.config import GPTConfig
 
     torch.manual_seed(0)

@@ -133,7 +133,7 @@ def parameter_count(model):
 
 
 def flops_per_token(model, sequence_length):
-    """The same 6N + 12·L·C·T as `tfgpt.training.flops` (N without positions)."""
+    """The same 6N + 12·L·C·T as `tfgpt.observe.flops` (N without positions)."""
     hidden = model.token_embedding.weight.shape[1]
     matmul = parameter_count(model) - model.position_embedding.weight.numel()
     return 6 * matmul + 12 * len(model.blocks) * hidden * sequence_length

@@ -34,6 +34,7 @@ import numpy as np
 
 from pipelines.manifest import COMPRESSIONS as COMPRESSION_TYPES
 from pipelines.manifest import PACKED_FEATURE
+
 # TFRecord framing per record: uint64 length, uint32 length CRC, uint32 data CRC.
 FRAMING_BYTES = 16
 _CRC_MASK_DELTA = 0xA282EAD8

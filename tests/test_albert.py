@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests import numpy_encoder as ref
 from tests import model_contract as contract
+from tests import numpy_encoder as ref
 from tfgpt import Albert, AlbertBackbone, AlbertConfig, SpanQuestionAnswerer
 from tfgpt.config import FAMILIES
 from tfgpt.layers.transformer_block import set_recompute

@@ -13,7 +13,7 @@ from bench.memory import budget_depth, gpt_parameters
 from tests.launch import REPO
 from tests.test_gpt import GPT2_PARAMETERS
 from tfgpt.config import GPT_PRESETS, GPTConfig
-from tfgpt.distributed.zero import state_bytes
+from tfgpt.parallel.zero import state_bytes
 
 GIB = 2**30
 

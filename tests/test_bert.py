@@ -6,9 +6,15 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests import numpy_encoder as ref
 from tests import model_contract as contract
-from tfgpt import Bert, BertBackbone, BertConfig, SequenceClassifier, SpanQuestionAnswerer
+from tests import numpy_encoder as ref
+from tfgpt import (
+    Bert,
+    BertBackbone,
+    BertConfig,
+    SequenceClassifier,
+    SpanQuestionAnswerer,
+)
 from tfgpt.config import FAMILIES
 from tfgpt.layers import ClassificationHead, SelfAttention, TransformerBlock
 

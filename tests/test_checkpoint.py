@@ -17,8 +17,8 @@ import tensorflow as tf
 
 from tfgpt.checkpoint import RunCheckpointer, files
 from tfgpt.checkpoint.state import Entry
-from tfgpt.distributed import LocalDistribution
-from tfgpt.distributed.tensor_parallel import take_slice
+from tfgpt.parallel import LocalDistribution
+from tfgpt.parallel.tensor_parallel import take_slice
 
 # A fused query/key/value-like kernel (C=4, 3 groups of 2 heads x 2), cut
 # in 2 tensor slices along its columns; a bias cut into rows only; a counter.

@@ -5,7 +5,10 @@ import json
 import numpy as np
 import pytest
 
-from tfgpt.finetuning.classification import encode_classification, read_classification_file
+from tfgpt.finetuning.classification import (
+    encode_classification,
+    read_classification_file,
+)
 
 
 class CharacterTokenizer:

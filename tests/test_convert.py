@@ -19,13 +19,13 @@ import torch
 import transformers
 
 from tfgpt import GPT
-from tfgpt.loading import load_model, save_model
 from tfgpt.convert import (
     gpt2_config_from_model,
     load_gpt2_checkpoint,
     main,
     save_gpt2_checkpoint,
 )
+from tfgpt.loading import load_model, save_model
 from tfgpt.tokenizers import BytePairTokenizer
 
 # Logits of float32 PyTorch and TensorFlow agree to rounding; the largest

@@ -38,7 +38,7 @@ def test_horovod_train_step_averages_gradients_and_keeps_ranks_equal(tmp_path, x
 
 
 _PRINT_CYCLE_TIME = (
-    "import os; from tfgpt.distributed.horovod_bridge import HorovodDistribution; "
+    "import os; from tfgpt.parallel.horovod_bridge import HorovodDistribution; "
     "HorovodDistribution(); print('cycle', os.environ['HOROVOD_CYCLE_TIME'])"
 )
 
@@ -55,7 +55,7 @@ def test_horovod_cycle_time_defaults_to_10_ms_unless_set(given, expected, monkey
 _ONE_WORKER_STEP_OPS = """
 import numpy as np, keras, tensorflow as tf
 from tfgpt import GPT
-from tfgpt.distributed.horovod_bridge import HorovodDistribution
+from tfgpt.parallel.horovod_bridge import HorovodDistribution
 from tfgpt.training.train_step import TrainStep
 distribution = HorovodDistribution()
 model = GPT(vocabulary_size=11, num_layers=1, num_heads=2, hidden_dim=8, intermediate_dim=12,

@@ -14,8 +14,14 @@ import sys
 import numpy as np
 import pytest
 
-from tests.launch import (REPO, assert_same_train_losses, horovodrun, multi_worker, run,
-                          train_losses)
+from tests.launch import (
+    REPO,
+    assert_same_train_losses,
+    horovodrun,
+    multi_worker,
+    run,
+    train_losses,
+)
 from tests.synthetic import prepared
 
 TINY_BERT = ["--preset", "bert-demo", "--num-layers", "2", "--hidden-dim", "32",
@@ -40,7 +46,7 @@ def pretraining_corpus(path, documents=300, seed=0):
 @pytest.fixture(scope="module")
 def encoder_run(tmp_path_factory):
     """A tiny BERT pretraining run directory: config.json, ckpt-10, tokenizer.model."""
-    from tfgpt.distributed import LocalDistribution
+    from tfgpt.parallel import LocalDistribution
     from tfgpt.training.flags import parse_flags
     from tfgpt.training.trainer import train
 
@@ -105,8 +111,8 @@ def squad_file(path, articles, seed, version):
 
 
 def _finetune(argv):
-    from tfgpt.distributed import LocalDistribution
     from tfgpt.finetuning import finetune, parse_flags
+    from tfgpt.parallel import LocalDistribution
 
     config, overrides = parse_flags([str(arg) for arg in argv])
     return finetune(config, overrides, LocalDistribution())
@@ -210,10 +216,10 @@ def test_resuming_continues_exactly(encoder_run, sst2, tmp_path):
 def _recomputed_predictions(out, examples, version, config):
     """Oracle: the saved checkpoint, run here on every window, post-processed here."""
     from tfgpt.checkpoint import load_weights
-    from tfgpt.models.bert import BertBackbone
-    from tfgpt.models.span_question_answerer import SpanQuestionAnswerer
     from tfgpt.finetuning.offset_tokenizer import OffsetTokenizer
     from tfgpt.finetuning.squad import postprocess_predictions, squad_features
+    from tfgpt.models.bert import BertBackbone
+    from tfgpt.models.span_question_answerer import SpanQuestionAnswerer
 
     saved = json.loads((out / "config.json").read_text())
     model = SpanQuestionAnswerer(BertBackbone(**saved["model"]))

@@ -18,9 +18,15 @@ import types
 import pytest
 
 from tests.launch import REPO
-from tfgpt.config import ACTIVATIONS, FAMILIES, MIXED_PRECISION, OPTIMIZERS, SCHEDULES
+from tfgpt.config import (
+    ACTIVATIONS,
+    FAMILIES,
+    MIXED_PRECISION,
+    OPTIMIZERS,
+    SCHEDULES,
+    TrainConfig,
+)
 from tfgpt.config import TASKS as PRETRAINING_TASKS
-from tfgpt.config import TrainConfig
 from tfgpt.config.distribution import STRATEGIES, HorovodOptions, StrategyOptions
 from tfgpt.config.finetuning import TASKS as FINETUNING_TASKS
 from tfgpt.config.finetuning import FinetuneConfig
@@ -319,12 +325,15 @@ def test_pretraining_and_fine_tuning_front_ends_differ_only_in_their_command(
 
 
 def _start_up_lines(config, steps, is_chief, tmp_path, zero_stage=0, size=1):
+    from tfgpt.observe.reporter import Reporter
     from tfgpt.training.loop import start_up_warnings
-    from tfgpt.training.reporter import Reporter
 
     stream = io.StringIO()
     report = Reporter(str(tmp_path), is_chief, stream=stream)
-    distribution = types.SimpleNamespace(zero_stage=zero_stage, size=size)
+    from tfgpt.parallel.state import ParallelState
+
+    distribution = types.SimpleNamespace(state=ParallelState(size, zero_stage=zero_stage),
+                                         size=size)
     start_up_warnings(report, config, steps, distribution)
     report.close()
     return stream.getvalue().splitlines()

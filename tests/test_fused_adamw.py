@@ -16,14 +16,18 @@ import pytest
 import tensorflow as tf
 
 from tests.launch import REPO, run
-from tfgpt.config import TrainConfig
-from tfgpt.distributed import LocalDistribution
 from tfgpt.checkpoint import RunCheckpointer
 from tfgpt.checkpoint.state import Entry, replicated_optimizer_variables
-from tfgpt.distributed.zero import slot_variables
-from tfgpt.training.fused_adamw import FusedAdamW
-from tfgpt.training.optimizers import NO_DECAY_PATTERN, learning_rate_schedule, make_optimizer
-from tfgpt.training.schedules import WarmupDecay
+from tfgpt.config import TrainConfig
+from tfgpt.optim.fused_adamw import FusedAdamW
+from tfgpt.optim.optimizers import (
+    NO_DECAY_PATTERN,
+    learning_rate_schedule,
+    make_optimizer,
+)
+from tfgpt.optim.schedules import WarmupDecay
+from tfgpt.parallel import LocalDistribution
+from tfgpt.parallel.zero import slot_variables
 from tfgpt.training.train_step import TrainStep
 
 # make_optimizer's AdamW settings, with a warmup so the rate changes per step.
@@ -322,7 +326,7 @@ def test_mirrored_replicas_update_their_own_slots_like_keras(tmp_path):
 @pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
 def test_fit_through_the_horovod_wrapper_equals_keras_adamw(policy):
     from tests.test_keras_horovod import FakeDistribution
-    from tfgpt.distributed.keras_horovod import DistributedOptimizer
+    from tfgpt.parallel.keras_horovod import DistributedOptimizer
 
     rng = np.random.default_rng(5)
     inputs = rng.integers(0, 23, (6, 5)).astype("int32")

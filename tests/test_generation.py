@@ -7,9 +7,9 @@ import pytest
 import tensorflow as tf
 
 from tfgpt import GPT
-from tfgpt.loading import save_model
-from tfgpt.generate import main
 from tfgpt.decoding import decoder_trace_count, top_k_filter, top_p_filter
+from tfgpt.generate import main
+from tfgpt.loading import save_model
 
 # Distinct sizes so that no two dimensions can be confused for each other.
 VOCAB, LAYERS, HEADS, HIDDEN, INTERMEDIATE, CONTEXT = 37, 3, 3, 12, 20, 16

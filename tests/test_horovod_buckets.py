@@ -5,7 +5,7 @@ test_distributed.py)."""
 import pytest
 import tensorflow as tf
 
-from tfgpt.distributed.horovod_bridge import HorovodDistribution, gradient_buckets
+from tfgpt.parallel.horovod_bridge import HorovodDistribution, gradient_buckets
 
 
 def _gradients(*sizes, dtype="float32"):

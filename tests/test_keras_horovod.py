@@ -1,4 +1,4 @@
-"""`model.fit` on one device and under horovodrun (tfgpt.distributed.keras_horovod).
+"""`model.fit` on one device and under horovodrun (tfgpt.parallel.keras_horovod).
 
 Single-process tests stand a recording fake in for Horovod to check what
 the optimizer wrapper and the callbacks send and receive; the multi-process
@@ -16,13 +16,13 @@ import tensorflow as tf
 from pipelines import reader
 from tests.launch import REPO, horovodrun
 from tfgpt import GPT
-from tfgpt.distributed import keras_horovod
-from tfgpt.distributed.keras_horovod import (
+from tfgpt.optim.schedules import WarmupDecay
+from tfgpt.parallel import keras_horovod
+from tfgpt.parallel.keras_horovod import (
     AverageMetrics,
     BroadcastInitialState,
     DistributedOptimizer,
 )
-from tfgpt.training.schedules import WarmupDecay
 
 VOCABULARY = 29
 BATCH, SEQUENCE = 3, 6
@@ -203,7 +203,7 @@ def test_mixed_float16_loss_scaling_around_the_distributed_optimizer_is_refused(
 def test_a_plain_optimizer_is_refused_because_it_would_not_average(float32_policy):
     model = compiled(tiny_gpt(), keras.optimizers.SGD(0.1))
     inputs, targets = batches(1)
-    with pytest.raises(ValueError, match="must be a tfgpt.distributed.keras_horovod.Distributed"):
+    with pytest.raises(ValueError, match="must be a tfgpt.parallel.keras_horovod.Distributed"):
         model.fit(inputs, targets, batch_size=BATCH, verbose=0,
                   callbacks=[BroadcastInitialState(FakeDistribution())])
 

@@ -14,11 +14,18 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.kernel_checks import (
+    assert_same_loss_and_gradients,
+    dtype_policy,
+    forget_the_library,
+    fused_and_composite,
+    gpt_loss_and_gradients,
+    random_inputs_and_targets,
+    require_avx512,
+    traced_op_types,
+)
 from tfgpt import kernels
 from tfgpt.kernels import build as kernel_build
-from tests.kernel_checks import (assert_same_loss_and_gradients, dtype_policy, forget_the_library,
-                                 fused_and_composite, gpt_loss_and_gradients,
-                                 random_inputs_and_targets, require_avx512, traced_op_types)
 
 
 def _numpy_gelu(x, approximate):

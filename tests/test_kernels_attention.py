@@ -14,14 +14,20 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.kernel_checks import (
+    assert_same_loss_and_gradients,
+    dtype_policy,
+    fused_and_composite,
+    gpt_loss_and_gradients,
+    random_inputs_and_targets,
+    traced_op_types,
+)
 from tfgpt import kernels
 from tfgpt.kernels.causal_attention_kernel import (
     BLOCK_SIZE,
     causal_attention,
     causal_attention_available,
 )
-from tests.kernel_checks import (assert_same_loss_and_gradients, dtype_policy, fused_and_composite,
-                                 gpt_loss_and_gradients, random_inputs_and_targets, traced_op_types)
 
 FUSED_OPS = {"TfgptCausalAttention", "TfgptCausalAttentionGrad"}
 

@@ -5,9 +5,14 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.kernel_checks import (
+    assert_same_loss_and_gradients,
+    dtype_policy,
+    fused_and_composite,
+    gpt_loss_and_gradients,
+    random_inputs_and_targets,
+)
 from tfgpt import kernels
-from tests.kernel_checks import (assert_same_loss_and_gradients, dtype_policy, fused_and_composite,
-                                 gpt_loss_and_gradients, random_inputs_and_targets)
 from tfgpt.training.train_step import cross_entropy
 
 

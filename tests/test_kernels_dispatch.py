@@ -5,12 +5,17 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.kernel_checks import (
+    dtype_policy,
+    forget_the_library,
+    gpt_loss_and_gradients,
+    require_avx512,
+    traced_op_types,
+)
 from tfgpt import GPT, kernels
 from tfgpt.kernels import build as kernel_build
 from tfgpt.kernels import dispatch
-from tfgpt.training.fused_adamw import FusedAdamW
-from tests.kernel_checks import (dtype_policy, forget_the_library, gpt_loss_and_gradients,
-                                 require_avx512, traced_op_types)
+from tfgpt.optim.fused_adamw import FusedAdamW
 
 # The op each kernel name of the summary line stands for.
 OPS = {

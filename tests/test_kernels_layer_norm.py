@@ -16,12 +16,18 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.kernel_checks import (
+    assert_same_loss_and_gradients,
+    dtype_policy,
+    fused_and_composite,
+    gpt_loss_and_gradients,
+    loss_and_gradients,
+    random_inputs_and_targets,
+    traced_op_types,
+)
 from tfgpt import kernels
 from tfgpt.kernels.layer_norm_kernel import layer_norm
 from tfgpt.layers import LayerNorm
-from tests.kernel_checks import (assert_same_loss_and_gradients, dtype_policy, fused_and_composite,
-                                 gpt_loss_and_gradients, loss_and_gradients,
-                                 random_inputs_and_targets, traced_op_types)
 
 # Widths: odd, a single column (the row is its own mean), GPT-mini's.
 WIDTHS = [33, 1, 384]

@@ -13,10 +13,16 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.kernel_checks import (
+    assert_same_loss_and_gradients,
+    dtype_policy,
+    fused_and_composite,
+    gpt_loss_and_gradients,
+    random_inputs_and_targets,
+    traced_op_types,
+)
 from tfgpt import kernels
 from tfgpt.kernels.causal_softmax_kernel import causal_bias, causal_softmax
-from tests.kernel_checks import (assert_same_loss_and_gradients, dtype_policy, fused_and_composite,
-                                 gpt_loss_and_gradients, random_inputs_and_targets, traced_op_types)
 
 FUSED_OPS = {"TfgptCausalSoftmax", "TfgptCausalSoftmaxGrad"}
 

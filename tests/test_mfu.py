@@ -13,7 +13,7 @@ import pytest
 
 from tests.launch import REPO, run
 from tests.synthetic import pattern_corpus
-from tfgpt.training import flops
+from tfgpt.observe import flops
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""The time split of each logging window (tfgpt.training.monitor): measured, per worker.
+"""The time split of each logging window (tfgpt.observe.monitor): measured, per worker.
 
 Faults are injected and the share they should move is checked: a reader
 slowed by a sleep (data), one Horovod rank's forward pass slowed by a sleep
@@ -16,8 +16,8 @@ import pytest
 import tensorflow as tf
 
 from tests.launch import REPO, horovodrun
-from tfgpt.distributed import LocalDistribution
-from tfgpt.training import monitor
+from tfgpt.observe import monitor
+from tfgpt.parallel import LocalDistribution
 
 TINY_MODEL = [
     "--num-layers", "2", "--num-heads", "2", "--hidden-dim", "32",
@@ -76,7 +76,7 @@ def test_a_gpu_is_sampled_through_nvml_and_judged_by_its_utilisation(monkeypatch
 
 
 def test_reporter_puts_details_in_json_only_and_the_shares_in_one_console_field(tmp_path):
-    from tfgpt.training.reporter import Reporter
+    from tfgpt.observe.reporter import Reporter
 
     stream = io.StringIO()
     report = Reporter(str(tmp_path), True, stream=stream)
@@ -93,7 +93,7 @@ def test_reporter_puts_details_in_json_only_and_the_shares_in_one_console_field(
 
 
 def test_reporter_writes_every_workers_figures_to_tensorboard(tmp_path):
-    from tfgpt.training.reporter import Reporter
+    from tfgpt.observe.reporter import Reporter
 
     report = Reporter(str(tmp_path), True, stream=io.StringIO())
     report.scalars(5, {"loss": 2.0}, details={"workers": [
@@ -195,7 +195,8 @@ def _last_window(run_dir):
     return [record for record in records if record["split"] == "train"][-1]
 
 
-def _train_in_process(data, out, monkeypatch, reader_sleep, steps=12, log_every=6):
+def _train_in_process(data, out, monkeypatch, reader_sleep, steps=12, log_every=6,
+                      callbacks=()):
     from tfgpt.training import trainer
     from tfgpt.training.flags import parse_flags
 
@@ -217,7 +218,7 @@ def _train_in_process(data, out, monkeypatch, reader_sleep, steps=12, log_every=
          "--num-layers", "2", "--num-heads", "4", "--hidden-dim", "256",
          "--intermediate-dim", "1024", "--max-sequence-length", "16"]
     )
-    trainer.train(config, overrides, LocalDistribution())
+    trainer.train(config, overrides, LocalDistribution(), callbacks)
     return _last_window(out)
 
 
@@ -244,9 +245,11 @@ def test_a_slow_reader_shows_as_data_time(tiny_data, tmp_path, monkeypatch):
 
 
 def test_memory_kept_every_step_fires_memory_growth(tiny_data, tmp_path, monkeypatch):
-    monkeypatch.setenv("TFGPT_FAULT_GROW_MIB", "0:8")
+    from tfgpt.resilience.faults import FaultInjection
+
+    grow = FaultInjection(LocalDistribution(), grow_mib="0:8")  # rank 0 keeps 8 MiB a step
     window = _train_in_process(tiny_data, tmp_path / "run", monkeypatch, 0, steps=14,
-                               log_every=2)
+                               log_every=2, callbacks=[grow])
     records = [json.loads(line)
                for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["split"] == "train"]

@@ -1,6 +1,6 @@
 """A rank that dies or hangs mid-run: the others exit with an error in bounded time.
 
-Rank 1 SIGKILLs itself as it starts step 3 (`tfgpt.training.faults`
+Rank 1 SIGKILLs itself as it starts step 3 (`tfgpt.resilience.faults`
 KILL_AT_STEP) in a pipeline-parallel and a tensor-parallel run. Under
 horovodrun, which ends the other ranks once one fails; and under
 `tfgpt.slurm_launcher`, which does not: there the survivor has to find
@@ -17,7 +17,7 @@ import time
 import pytest
 
 from tests.launch import REPO, horovodrun, processes, train_losses
-from tfgpt.training import faults
+from tfgpt.resilience import faults
 
 LAYOUTS = {
     "pipeline": ["--pipeline-parallel", "2", "--microbatches", "2", "--num-layers", "3"],

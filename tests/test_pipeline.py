@@ -1,4 +1,4 @@
-"""Pipeline parallelism (tfgpt.distributed.pipeline_*): the same training as one process.
+"""Pipeline parallelism (tfgpt.parallel.pipeline_*): the same training as one process.
 
 The multi-process tests run `tests/hvd_scripts/pipeline_check.py` under
 `horovodrun -np 2` (each rank one stage of a tiny GPT, the whole global
@@ -19,9 +19,9 @@ SCRIPT = REPO / "tests" / "hvd_scripts" / "pipeline_check.py"
 
 
 def test_layout_tensor_innermost_then_pipeline_then_data():
-    from tfgpt.distributed.layout import ParallelLayout
+    from tfgpt.parallel.state import ParallelState
 
-    layout = ParallelLayout(size=12, rank=7, pipeline=3, tensor=2)
+    layout = ParallelState(size=12, rank=7, pipeline=3, tensor=2)
     assert layout.data == 2
     coordinates = [layout.coordinates(rank) for rank in range(12)]
     assert coordinates == [(d, p, t) for d in range(2) for p in range(3) for t in range(2)]
@@ -35,14 +35,14 @@ def test_layout_tensor_innermost_then_pipeline_then_data():
 
 
 def test_layout_refuses_sizes_that_do_not_divide_the_workers():
-    from tfgpt.distributed.layout import ParallelLayout
+    from tfgpt.parallel.state import ParallelState
 
     with pytest.raises(ValueError, match=r"size=3, tensor_parallel=1, pipeline_parallel=2"):
-        ParallelLayout(size=3, pipeline=2)
+        ParallelState(size=3, pipeline=2)
 
 
 def test_partitions():
-    from tfgpt.distributed.pipeline_partition import partition_blocks
+    from tfgpt.parallel.pipeline_partition import partition_blocks
 
     assert partition_blocks(7, 3) == [(0, 3), (3, 5), (5, 7)]
     # The head costs two blocks: the last stage gets two blocks fewer.
@@ -67,8 +67,8 @@ def test_stage_variables_cover_the_model_once_but_the_tied_table():
     import keras
 
     from tfgpt import GPT
-    from tfgpt.distributed.pipeline_schedule import PipelineSchedule
-    from tfgpt.distributed.pipeline_stage import PipelineStage
+    from tfgpt.parallel.pipeline_schedule import PipelineSchedule
+    from tfgpt.parallel.pipeline_stage import PipelineStage
 
     keras.utils.set_random_seed(1)
     model = GPT(vocabulary_size=37, num_layers=5, num_heads=2, hidden_dim=8,

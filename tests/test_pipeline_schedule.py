@@ -1,12 +1,12 @@
-"""Pipeline schedules (tfgpt.distributed.pipeline_schedule): the diagrams of the
+"""Pipeline schedules (tfgpt.parallel.pipeline_schedule): the diagrams of the
 papers, dependency order, in-flight micro-batches and the bubble against theory."""
 
 import doctest
 
 import pytest
 
-from tfgpt.distributed import pipeline_schedule
-from tfgpt.distributed.pipeline_schedule import BACKWARD, FORWARD, PipelineSchedule
+from tfgpt.parallel import pipeline_schedule
+from tfgpt.parallel.pipeline_schedule import BACKWARD, FORWARD, PipelineSchedule
 
 # Every schedule over a range of sizes, including M = 1, M < P and M not
 # divisible by P (interleaved refuses the last two: see below).

@@ -29,26 +29,17 @@ def test_options_refuse_sizes_that_do_not_fit(options, message):
         HorovodOptions(**options)
 
 
-@pytest.mark.parametrize("config, family, message", [
-    (dict(preset="bert-demo"), "bert", r"cuts a GPT into stages; --preset bert-demo is a bert"),
-    (dict(accumulation_steps=2), "gpt", r"--accumulation-steps 2: the pipeline accumulates"),
-    (dict(xla=True), "gpt", r"--xla: "),
-    (dict(mixed_precision="float16"), "gpt", r"--mixed-precision float16"),
-    (dict(recompute=True), "gpt", r"--recompute"),
-    (dict(towers=2), "gpt", r"--towers 2"),
-    (dict(batch_size=6), "gpt", r"batch_size=6, microbatches=4"),
-])
-def test_pipeline_runs_refuse_what_they_do_not_do(config, family, message):
+def test_a_batch_the_micro_batches_do_not_divide_is_refused():
+    # (What a pipeline does not combine with: tests/test_refusals.py.)
     from tfgpt.config.models import GPTConfig
     from tfgpt.config.training import TrainConfig
-    from tfgpt.training.pipeline_run import check_pipeline_run
+    from tfgpt.training.pipeline_run import check_pipeline_sizes
 
-    train_config = TrainConfig(data="d", **{"batch_size": 8, **config})
     options = HorovodOptions(pipeline_parallel=2, microbatches=4)
-    with pytest.raises(ValueError, match=message):
-        check_pipeline_run(train_config, options, family, GPTConfig(num_layers=2))
-    check_pipeline_run(TrainConfig(data="d", batch_size=8), options, "gpt",
-                       GPTConfig(num_layers=2))  # what fits passes
+    with pytest.raises(ValueError, match=r"batch_size=6, microbatches=4"):
+        check_pipeline_sizes(TrainConfig(data="d", batch_size=6), options, GPTConfig(num_layers=2))
+    check_pipeline_sizes(TrainConfig(data="d", batch_size=8), options,
+                         GPTConfig(num_layers=2))  # what fits passes
 
 
 @pytest.mark.parametrize("microbatches", ["1", "3"])  # M < P, M not divisible by P
@@ -74,25 +65,12 @@ def test_train_mirrored_refuses_pipeline_flags_naming_train_hvd(capsys):
             in capsys.readouterr().err)
 
 
-def test_fine_tuning_refuses_a_pipeline():
-    import types
-
-    from tfgpt.config.finetuning import FinetuneConfig
-    from tfgpt.distributed.layout import ParallelLayout
-    from tfgpt.finetuning.finetuner import finetune
-
-    distribution = types.SimpleNamespace(layout=ParallelLayout(2, pipeline=2), options=None,
-                                         tensor_slice=None)
-    config = FinetuneConfig(train_file="t", init="i")
-    with pytest.raises(ValueError, match=r"--pipeline-parallel 2 cuts a GPT for pretraining"):
-        finetune(config, {}, distribution)
-
 
 def test_pipeline_runs_lower_the_horovod_cycle_time_unless_it_is_set():
     script = (
         "import os\n"
         "from tfgpt.config.distribution import HorovodOptions\n"
-        "from tfgpt.distributed.horovod_bridge import HorovodDistribution\n"
+        "from tfgpt.parallel.horovod_bridge import HorovodDistribution\n"
         "try:\n"
         "    HorovodDistribution.create(HorovodOptions(pipeline_parallel=2))\n"
         "except ValueError as error:\n"

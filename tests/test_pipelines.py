@@ -22,8 +22,8 @@ import tensorflow as tf
 
 from pipelines import default_corpus, prepare, reader
 from pipelines import manifest as data_format
-from pipelines.prepare import cli, resume, shard_writer
 from pipelines.errors import DataError
+from pipelines.prepare import cli, resume, shard_writer
 from pipelines.tfrecord import serialize_records
 from pipelines.tokenizer import Tokenizer, train_tokenizer
 

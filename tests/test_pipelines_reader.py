@@ -9,9 +9,9 @@ must name the record that was damaged).
 
 import os
 import shutil
-from collections import Counter
 import struct
 import warnings
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -20,7 +20,12 @@ import tensorflow as tf
 from pipelines import prepare, reader
 from pipelines.errors import DataError
 from pipelines.tokenizer import train_tokenizer
-from tests.test_pipelines import SEQ_LEN, VOCABULARY_SIZE, make_documents, write_json_lines_file
+from tests.test_pipelines import (
+    SEQ_LEN,
+    VOCABULARY_SIZE,
+    make_documents,
+    write_json_lines_file,
+)
 
 BATCH_SIZE = 3
 

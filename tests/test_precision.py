@@ -2,7 +2,7 @@
 
 import pytest
 
-from tfgpt.training.precision import slow_precision_warning
+from tfgpt.optim.precision import slow_precision_warning
 
 AVX512 = {"avx2", "fma", "avx512f", "avx512bw", "avx512_vnni"}
 

@@ -25,7 +25,7 @@ def encoder_data(tmp_path_factory):
 
 
 def _train(argv):
-    from tfgpt.distributed import LocalDistribution
+    from tfgpt.parallel import LocalDistribution
     from tfgpt.training.flags import parse_flags
     from tfgpt.training.trainer import train
 

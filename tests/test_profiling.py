@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from tfgpt.config import TrainConfig
-from tfgpt.distributed import LocalDistribution
+from tfgpt.parallel import LocalDistribution
 from tfgpt.training.flags import parse_flags
 
 TINY = ["--num-layers", "2", "--num-heads", "2", "--hidden-dim", "16",

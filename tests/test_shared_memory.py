@@ -1,4 +1,4 @@
-"""The shared-memory gradient average (`tfgpt.distributed.shared_memory`):
+"""The shared-memory gradient average (`tfgpt.parallel.shared_memory`):
 against NumPy's mean on real ranks, bit for bit against Horovod's with two,
 a peer that dies, and where it is and is not taken."""
 
@@ -12,8 +12,8 @@ import tensorflow as tf
 from tests.launch import REPO, horovodrun, run
 from tfgpt import kernels
 from tfgpt.config.distribution import HorovodOptions
-from tfgpt.distributed import shared_memory
-from tfgpt.distributed.horovod_bridge import default_cycle_time
+from tfgpt.parallel import shared_memory
+from tfgpt.parallel.horovod_bridge import default_cycle_time
 
 SCRIPT = REPO / "tests" / "hvd_scripts" / "shared_memory_check.py"
 

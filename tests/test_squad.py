@@ -13,7 +13,12 @@ from tfgpt.finetuning.squad import (
     read_squad,
     squad_features,
 )
-from tfgpt.finetuning.squad_metrics import exact_match_score, f1_score, normalize_answer, squad_scores
+from tfgpt.finetuning.squad_metrics import (
+    exact_match_score,
+    f1_score,
+    normalize_answer,
+    squad_scores,
+)
 
 
 class WordTokenizer:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tests.launch import REPO, horovodrun, run_and_load, run_each
-from tfgpt.distributed.layout import ParallelLayout
+from tfgpt.parallel.state import ParallelState
 
 OPERATORS_SCRIPT = REPO / "tests" / "hvd_scripts" / "tensor_parallel_check.py"
 
@@ -23,7 +23,7 @@ OPERATORS_SCRIPT = REPO / "tests" / "hvd_scripts" / "tensor_parallel_check.py"
 
 @pytest.mark.parametrize("size, tensor, pipeline", [(8, 2, 2), (6, 3, 1), (4, 1, 2), (2, 2, 1)])
 def test_layout_numbers_ranks_tensor_innermost(size, tensor, pipeline):
-    layout = ParallelLayout(size, tensor=tensor, pipeline=pipeline)
+    layout = ParallelState(size, tensor=tensor, pipeline=pipeline)
     assert layout.data == size // (tensor * pipeline)
     # Every rank once, at the coordinates of the nested loops data > pipeline > tensor.
     expected = list(itertools.product(range(layout.data), range(pipeline), range(tensor)))
@@ -44,7 +44,7 @@ def test_layout_numbers_ranks_tensor_innermost(size, tensor, pipeline):
 
 
 def test_layout_of_four_ranks_two_way_tensor_parallel():
-    layout = ParallelLayout(4, tensor=2)
+    layout = ParallelState(4, tensor=2)
     assert layout.tensor_groups() == [[0, 1], [2, 3]]
     assert layout.data_groups() == [[0, 2], [1, 3]]
     line = layout.describe()
@@ -56,17 +56,17 @@ def test_layout_of_four_ranks_two_way_tensor_parallel():
 def test_layout_refuses_sizes_that_do_not_multiply_to_the_ranks(size, tensor, pipeline):
     with pytest.raises(ValueError, match=rf"does not divide the {size} rank\(s\) of horovodrun "
                                          rf"-np {size}.*tensor_parallel={tensor}"):
-        ParallelLayout(size, tensor=tensor, pipeline=pipeline)
+        ParallelState(size, tensor=tensor, pipeline=pipeline)
 
 
 @pytest.mark.parametrize("tensor", [0, -2, 1.5])
 def test_layout_refuses_a_tensor_size_that_is_not_a_positive_integer(tensor):
     with pytest.raises(ValueError, match="`tensor_parallel` must be a positive integer"):
-        ParallelLayout(4, tensor=tensor)
+        ParallelState(4, tensor=tensor)
 
 
 def test_split_rows_refuses_a_size_that_does_not_divide():
-    from tfgpt.distributed.tensor_parallel import split_rows
+    from tfgpt.parallel.tensor_parallel import split_rows
 
     assert split_rows(12, 3, 2) == (8, 4)
     with pytest.raises(ValueError, match=r"--tensor-parallel 2 must divide `num_heads`. "
@@ -112,7 +112,7 @@ def _count(result):
 
 def _assert_slices_join_to(results, tensor, oracle, atol):
     """Each tensor group's slices join into the oracle's weights; replicas agree exactly."""
-    from tfgpt.distributed.tensor_parallel import join_slices
+    from tfgpt.parallel.tensor_parallel import join_slices
 
     assert _count(results[0]) == _count(oracle)
     for first in range(0, len(results), tensor):

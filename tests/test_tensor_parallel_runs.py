@@ -1,14 +1,11 @@
 """`train_hvd.py --tensor-parallel`: refusals, checkpoints, resuming on the same and other layouts."""
 
-import sys
-import types
 
 import numpy as np
 import pytest
 
-from tests.launch import REPO, checkpoint_tensors, horovodrun, run, train_losses
+from tests.launch import REPO, checkpoint_tensors, horovodrun, train_losses
 from tfgpt.config import GPTConfig
-from tfgpt.config.training import TrainConfig
 
 TINY_MODEL = [
     "--num-layers", "2", "--num-heads", "2", "--hidden-dim", "32",
@@ -19,12 +16,12 @@ TINY_MODEL = [
 # ---- Refusals: one line each, before any compute -------------------------------------
 
 
-def _check(tensor=2, family="gpt", zero_stage=0, model=None, **train):
-    from tfgpt.distributed.tensor_parallel import check_run
+def _check(tensor=2, model=None):
+    from tfgpt.parallel.tensor_parallel import check_sizes
 
     model_config = GPTConfig(**{"vocabulary_size": 300, "num_heads": 2, "hidden_dim": 32,
                                 "intermediate_dim": 48, **(model or {})})
-    check_run(tensor, family, model_config, TrainConfig(data="d", **train), zero_stage)
+    check_sizes(tensor, model_config)
 
 
 @pytest.mark.parametrize("model, match", [
@@ -40,40 +37,12 @@ def test_a_size_the_tensor_parallel_degree_does_not_divide_is_refused(model, mat
         _check(model=model)
 
 
-@pytest.mark.parametrize("family", ["bert", "albert"])
-def test_encoders_are_refused(family):
-    with pytest.raises(ValueError, match=rf"splits GPT models only; --preset .* is a {family}"):
-        _check(family=family)
-
-
-@pytest.mark.parametrize("train, zero_stage, flag", [
-    ({"xla": True}, 0, "--xla"), ({"recompute": True}, 0, "--recompute"),
-    ({"optimizer": "lamb"}, 0, "--optimizer lamb"),
-    ({"mixed_precision": "float16"}, 0, "--mixed-precision float16"),
-])
-def test_options_not_combined_with_tensor_parallelism_are_refused(train, zero_stage, flag):
-    with pytest.raises(ValueError, match=f"--tensor-parallel 2 does not combine with {flag} yet"):
-        _check(zero_stage=zero_stage, **train)
-    _check(tensor=1, zero_stage=zero_stage, **train)  # nothing to refuse without it
-
-
 def test_the_option_must_be_a_positive_integer():
     from tfgpt.config.distribution import HorovodOptions
 
     with pytest.raises(ValueError, match="`tensor_parallel` must be a positive integer. "
                                          "Received: tensor_parallel=0"):
         HorovodOptions(tensor_parallel=0)
-
-
-def test_fine_tuning_refuses_tensor_parallelism():
-    from tfgpt.config.finetuning import FinetuneConfig
-    from tfgpt.finetuning.finetuner import finetune
-
-    distribution = types.SimpleNamespace(tensor_slice=types.SimpleNamespace(size=2), options=None)
-    config = FinetuneConfig.__new__(FinetuneConfig)  # never read: refused first
-    with pytest.raises(ValueError, match=r"--tensor-parallel 2 splits GPT pretraining "
-                                         r"\(train_hvd.py\) only"):
-        finetune(config, {}, distribution)
 
 
 @pytest.mark.distributed
@@ -139,7 +108,7 @@ def test_sigkill_and_resume_on_the_same_layout_is_bitwise(tiny_data, tmp_path):
 BATCH_CHECK = """
 import tensorflow as tf
 from tfgpt.config.distribution import HorovodOptions
-from tfgpt.distributed.horovod_bridge import HorovodDistribution
+from tfgpt.parallel.horovod_bridge import HorovodDistribution
 
 distribution = HorovodDistribution.create(HorovodOptions(tensor_parallel=2))
 rank = distribution.rank

@@ -12,7 +12,12 @@ import numpy as np
 import pytest
 
 from tests.launch import (
-    REPO, checkpoint_tensors, horovodrun, run_each, saved_weights, train_losses,
+    REPO,
+    checkpoint_tensors,
+    horovodrun,
+    run_each,
+    saved_weights,
+    train_losses,
 )
 from tfgpt.config.distribution import HorovodOptions
 
@@ -33,7 +38,7 @@ def test_tensor_and_pipeline_parallelism_combine():
 def _assert_slices_join_to_the_oracle(results, oracle, tensor, what):
     """Every rank holds the whole model's slice of its tensor index; each
     tensor group's slices join into the oracle's weights."""
-    from tfgpt.distributed.tensor_parallel import join_slices
+    from tfgpt.parallel.tensor_parallel import join_slices
 
     expected = saved_weights(oracle)
     for first in range(0, len(results), tensor):

@@ -1,5 +1,5 @@
 """Towers: slices of a batch computed side by side in one step
-(`TrainStep(towers=K)`, `tfgpt.distributed.cpu_threads`)."""
+(`TrainStep(towers=K)`, `tfgpt.parallel.cpu_threads`)."""
 
 import json
 import os
@@ -13,9 +13,9 @@ import tensorflow as tf
 
 from tfgpt import GPT
 from tfgpt.config import TrainConfig
-from tfgpt.distributed import LocalDistribution
-from tfgpt.distributed.cpu_threads import resolve_towers
 from tfgpt.finetuning import FinetuneConfig
+from tfgpt.parallel import LocalDistribution
+from tfgpt.parallel.cpu_threads import resolve_towers
 from tfgpt.training.train_step import TrainStep, cross_entropy
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -157,7 +157,7 @@ def test_resolve_towers_refuses_a_negative_count():
 _THREADS_SCRIPT = """
 import json, sys
 import tensorflow as tf
-from tfgpt.distributed.cpu_threads import configure_cpu_threads
+from tfgpt.parallel.cpu_threads import configure_cpu_threads
 configure_cpu_threads(int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3]))
 print(json.dumps([tf.config.threading.get_intra_op_parallelism_threads(),
                   tf.config.threading.get_inter_op_parallelism_threads()]))

@@ -115,7 +115,7 @@ def _corrupted_copy(tiny_data, tmp_path):
 
 
 def _train_locally(argv):
-    from tfgpt.distributed import LocalDistribution
+    from tfgpt.parallel import LocalDistribution
     from tfgpt.training.flags import parse_flags
     from tfgpt.training.trainer import train
 

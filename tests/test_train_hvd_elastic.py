@@ -18,7 +18,7 @@ import tensorflow as tf
 from pipelines import reader
 from tests.launch import REPO, checkpoint_tensors, elastic_horovodrun, run
 from tests.test_train_hvd import TINY_MODEL
-from tfgpt.training import faults
+from tfgpt.resilience import faults
 
 STEPS = 200  # 2 workers x 4 sequences: past the end of the 1,281-sequence epoch
 KILL_AT = 40  # rank 1 dies as it starts this step
@@ -185,7 +185,7 @@ def test_commit_every_must_be_positive():
 
 
 def _train_with_options(argv, options):
-    from tfgpt.distributed import LocalDistribution
+    from tfgpt.parallel import LocalDistribution
     from tfgpt.training.flags import parse_flags
     from tfgpt.training.trainer import train
 
@@ -211,9 +211,9 @@ def test_elastic_refuses_what_breaks_the_global_order(tiny_data, tmp_path, flags
 
 def test_fine_tuning_refuses_elastic(tmp_path):
     from tfgpt.config.distribution import HorovodOptions
-    from tfgpt.distributed import LocalDistribution
     from tfgpt.finetuning.finetuner import finetune
     from tfgpt.finetuning.flags import parse_flags
+    from tfgpt.parallel import LocalDistribution
 
     config, overrides = parse_flags(["--task", "classification", "--init", str(tmp_path / "init"),
                                      "--train-file", str(tmp_path / "train.tsv")])

@@ -6,8 +6,15 @@ import sys
 import numpy as np
 import pytest
 
-from tests.launch import (REPO, assert_same_train_losses, checkpoint_tensors, horovodrun,
-                          multi_worker, run, train_losses)
+from tests.launch import (
+    REPO,
+    assert_same_train_losses,
+    checkpoint_tensors,
+    horovodrun,
+    multi_worker,
+    run,
+    train_losses,
+)
 from tests.synthetic import pattern_corpus, prepared
 from tests.test_train_hvd import TINY_MODEL
 

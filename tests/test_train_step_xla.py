@@ -7,9 +7,9 @@ import tensorflow as tf
 
 from tfgpt import GPT
 from tfgpt.config import TrainConfig
-from tfgpt.distributed import LocalDistribution
-from tfgpt.distributed.strategy import StrategyDistribution
-from tfgpt.training.optimizers import make_optimizer
+from tfgpt.optim.optimizers import make_optimizer
+from tfgpt.parallel import LocalDistribution
+from tfgpt.parallel.strategy import StrategyDistribution
 from tfgpt.training.train_step import TrainStep
 
 

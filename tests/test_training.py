@@ -8,11 +8,11 @@ import tensorflow as tf
 
 from tfgpt import GPT
 from tfgpt.config import TrainConfig
-from tfgpt.distributed import LocalDistribution
+from tfgpt.optim.lamb import LAMB
+from tfgpt.optim.optimizers import learning_rate_schedule, make_optimizer
+from tfgpt.optim.schedules import WarmupDecay
+from tfgpt.parallel import LocalDistribution
 from tfgpt.training.flags import parse_flags
-from tfgpt.training.lamb import LAMB
-from tfgpt.training.optimizers import learning_rate_schedule, make_optimizer
-from tfgpt.training.schedules import WarmupDecay
 from tfgpt.training.train_step import TrainStep, cross_entropy
 
 # ---- Flags --------------------------------------------------------------
@@ -167,7 +167,7 @@ def _np_lamb(weights, gradients_per_step, lr, decay, adapt, beta_1=0.9, beta_2=0
 def test_lamb_matches_the_paper_algorithm():
     import keras
 
-    from tfgpt.training.lamb import LAMB
+    from tfgpt.optim.lamb import LAMB
 
     rng = np.random.default_rng(5)
     kernel = keras.Variable(rng.normal(size=(4, 3)).astype("float32"), name="kernel")
@@ -344,3 +344,19 @@ def test_batch_larger_than_a_workers_data_is_refused(small_data, tmp_path):
     with pytest.raises(ValueError, match=r"--batch-size 4000 x --accumulation-steps 1 needs 4000"):
         _train(["--data", str(small_data), "--out", str(tmp_path), "--batch-size", "4000",
                 "--steps", "2", *TINY])
+
+
+def test_fault_injection_is_a_loop_callback_read_from_the_environment():
+    import doctest
+
+    from tfgpt.resilience import faults
+
+    assert doctest.testmod(faults).failed == 0
+    assert faults.from_environment(LocalDistribution(), {}) == []
+    [fault] = faults.from_environment(LocalDistribution(), {
+        faults.SLOW_COMPUTE: "0:0.5", faults.GROW_MIB: "1:4", faults.KILL_AFTER_SAVE: "3"})
+    # This process is rank 0: its delay, not rank 1's memory growth.
+    assert (fault.compute_delay(), fault.grow_mib()) == (0.5, 0.0)
+    fault.on_step_begin(1), fault.on_step_end(1), fault.on_save(2)  # nothing due: it lives
+    with pytest.raises(ValueError, match="the grow_mib fault must read RANK:VALUE. Received: '8'"):
+        faults.from_environment(LocalDistribution(), {faults.GROW_MIB: "8"})

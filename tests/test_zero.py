@@ -1,4 +1,4 @@
-"""ZeRO stages 1-3 (tfgpt.distributed.zero): the same training as whole state, less memory.
+"""ZeRO stages 1-3 (tfgpt.parallel.zero): the same training as whole state, less memory.
 
 The multi-process tests run `tests/hvd_scripts/zero_check.py` under
 `horovodrun` (each rank on its rows of the same global batches) and
@@ -15,7 +15,13 @@ import numpy as np
 import pytest
 
 from tests.launch import (
-    REPO, checkpoint_tensors, horovodrun, launch_each, run, run_and_load, run_each,
+    REPO,
+    checkpoint_tensors,
+    horovodrun,
+    launch_each,
+    run,
+    run_and_load,
+    run_each,
     saved_weights,
 )
 
@@ -31,7 +37,7 @@ TINY_MODEL = [
 
 @pytest.mark.parametrize("rows, size", [(5, 3), (2, 3), (7, 2), (6, 3), (1, 1)])
 def test_shard_rows_is_numpys_array_split(rows, size):
-    from tfgpt.distributed.zero import shard_rows
+    from tfgpt.parallel.zero import shard_rows
 
     counts, offsets = shard_rows(rows, size)
     parts = np.array_split(np.arange(rows), size)  # the first rows % size get one more
@@ -42,7 +48,7 @@ def test_shard_rows_is_numpys_array_split(rows, size):
 
 
 def test_state_bytes_per_stage_at_two_ranks():
-    from tfgpt.distributed.zero import state_bytes
+    from tfgpt.parallel.zero import state_bytes
 
     parameters = 1000
     state = {stage: state_bytes(parameters, stage, 2)["state"] for stage in range(4)}

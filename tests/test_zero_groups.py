@@ -12,13 +12,16 @@ import numpy as np
 import pytest
 
 from tests.launch import (
-    REPO, checkpoint_tensors, horovodrun, run_and_load, run_each, saved_weights,
+    REPO,
+    checkpoint_tensors,
+    horovodrun,
+    run_and_load,
+    run_each,
+    saved_weights,
     train_losses,
 )
 from tests.test_tensor_parallel import _assert_slices_join_to
 from tests.test_three_d import VOCABULARY, _assert_slices_join_to_the_oracle
-from tfgpt.config.distribution import HorovodOptions
-from tfgpt.distributed.tensor_parallel import check_run
 
 HVD_SCRIPTS = REPO / "tests" / "hvd_scripts"
 
@@ -116,25 +119,6 @@ def test_pipeline_and_three_d_with_zero_1_match_one_process(tmp_path):
     _assert_alone_matches(run_and_load(script, tmp_path, "alone", 2, "--zero-stage", "1",
                                        "--stages", "2", "--microbatches", "4"),
                           oracles["one-alone"][0])
-
-
-# ---- What stays refused ----------------------------------------------------------------
-
-
-@pytest.mark.parametrize("stage", [2, 3])
-def test_zero_stages_above_1_are_refused_with_tensor_and_pipeline_parallelism(stage):
-    from tfgpt.config import GPTConfig
-    from tfgpt.config.training import TrainConfig
-
-    model_config = GPTConfig(vocabulary_size=300, num_heads=2, hidden_dim=32, intermediate_dim=48)
-    with pytest.raises(ValueError, match=f"--tensor-parallel 2 does not combine with "
-                                         f"--zero-stage {stage}: use --zero-stage 1"):
-        check_run(2, "gpt", model_config, TrainConfig(data="d"), stage)
-    check_run(2, "gpt", model_config, TrainConfig(data="d"), 1)
-    with pytest.raises(ValueError, match=f"--zero-stage {stage} does not combine with "
-                                         "--pipeline-parallel: use --zero-stage 1"):
-        HorovodOptions(pipeline_parallel=2, zero_stage=stage)
-    HorovodOptions(pipeline_parallel=2, zero_stage=1)
 
 
 # ---- train_hvd.py: the start-up line, save and resume ----------------------------------

@@ -62,10 +62,9 @@ if __name__ == "__main__":
 
 import numpy as np  # noqa: E402
 
-from tfgpt.loading import check_tokenizer_matches_model  # noqa: E402
 from tfgpt.config import GPTConfig  # noqa: E402
 from tfgpt.models.gpt import GPT  # noqa: E402
-from tfgpt.tokenizers.byte_pair_tokenizer import BytePairTokenizer  # noqa: E402
+from tfgpt.tokenizers import BytePairTokenizer, check_tokenizer_matches_model  # noqa: E402
 
 _ACTIVATION_FROM_GPT2 = {
     "gelu_new": "gelu_tanh",

@@ -16,10 +16,16 @@ import json
 import os
 
 from tfgpt.checkpoint import (
-    CONFIG_FILE, TOKENIZER_FILE, load_weights, save_weights, write_run_files,
+    CONFIG_FILE,
+    TOKENIZER_FILE,
+    load_weights,
+    save_weights,
+    write_run_files,
 )
 from tfgpt.config import GPTConfig
+from tfgpt.convert import load_gpt2_checkpoint
 from tfgpt.models.gpt import GPT
+from tfgpt.tokenizers import check_tokenizer_matches_model
 from tfgpt.tokenizers.byte_pair_tokenizer import BytePairTokenizer
 
 
@@ -38,7 +44,6 @@ def load_model(directory, dtype=None):
     """
     config = _read_json(directory, CONFIG_FILE)
     if config.get("model_type") == "gpt2":
-        from tfgpt.convert import load_gpt2_checkpoint  # convert imports this module
 
         return load_gpt2_checkpoint(directory, dtype=dtype)
     if not isinstance(config.get("model"), dict):
@@ -83,21 +88,6 @@ def load_tokenizer(directory):
     if os.path.exists(os.path.join(directory, "vocab.json")):
         return BytePairTokenizer.from_directory(directory)
     return None
-
-
-def check_tokenizer_matches_model(tokenizer, model):
-    """Raises ValueError if the tokenizer can produce ids the model lacks.
-
-    A larger model vocabulary is allowed (tables padded to a round size, as
-    the trainer's `--vocabulary-size` permits).
-    """
-    if tokenizer.vocabulary_size > model.vocabulary_size:
-        raise ValueError(
-            "The tokenizer's vocabulary does not match the model: it has more "
-            f"ids than the embedding table. Received: tokenizer vocabulary "
-            f"size={tokenizer.vocabulary_size}, model "
-            f"vocabulary_size={model.vocabulary_size}"
-        )
 
 
 def _read_json(directory, name):

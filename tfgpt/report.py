@@ -10,7 +10,7 @@ Reads `metrics.jsonl` (and `config.json` when present) and prints:
   loss (with the unigram baseline for language models);
 - throughput: the median tokens/s and MFU of the windows after the first
   (which holds tracing and start-up);
-- the time split (`tfgpt.training.monitor`) per worker, each share's mean
+- the time split (`tfgpt.observe.monitor`) per worker, each share's mean
   over the same windows, with the worker's CPU % and its resident set at
   the first and last window;
 - the rules that fired, with their step and message.
@@ -26,7 +26,7 @@ import statistics
 import sys
 
 from tfgpt.cli import HelpFormatter
-from tfgpt.training.monitor import SHARES
+from tfgpt.observe.monitor import SHARES
 
 
 def read_run(run_dir):

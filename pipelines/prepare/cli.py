@@ -12,8 +12,6 @@ import re
 import sys
 from typing import Optional, Sequence
 
-from tfgpt.cli import HelpFormatter
-
 from pipelines.manifest import RECORD_FORMATS
 from pipelines.prepare.encoding import WorkerDied
 from pipelines.prepare.run import (
@@ -27,7 +25,10 @@ from pipelines.prepare.run import (
 )
 from pipelines.prepare.tokenizer_training import TOKENIZER_TYPES
 from pipelines.tokenizer import MINIMUM_VOCABULARY_SIZE
-from pipelines.wordpiece_tokenizer import MINIMUM_VOCABULARY_SIZE as MINIMUM_WORDPIECE_SIZE
+from pipelines.wordpiece_tokenizer import (
+    MINIMUM_VOCABULARY_SIZE as MINIMUM_WORDPIECE_SIZE,
+)
+from tfgpt.cli import HelpFormatter
 
 # `--compression` value -> the manifest's `compression`.
 COMPRESSIONS = {"none": None, "gzip": "GZIP"}

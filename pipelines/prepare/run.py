@@ -14,7 +14,13 @@ from typing import Callable, Optional, Sequence
 
 from pipelines.errors import DataError
 from pipelines.files import write_atomically
-from pipelines.manifest import COMPRESSIONS, MANIFEST_FILENAME, RECORD_FORMATS, SPLITS, Manifest
+from pipelines.manifest import (
+    COMPRESSIONS,
+    MANIFEST_FILENAME,
+    RECORD_FORMATS,
+    SPLITS,
+    Manifest,
+)
 from pipelines.prepare import resume, tokenizer_training
 from pipelines.prepare.commit import build_manifest, commit, split_summary
 from pipelines.prepare.encoding import ChunkRunner, WorkerDied, encode_chunks
@@ -30,7 +36,9 @@ from pipelines.sources import (
     resolve_inputs,
 )
 from pipelines.tokenizer import NUMBER_OF_BYTE_PIECES, minimum_vocabulary_size
-from pipelines.wordpiece_tokenizer import check_vocabulary_size as check_wordpiece_vocabulary_size
+from pipelines.wordpiece_tokenizer import (
+    check_vocabulary_size as check_wordpiece_vocabulary_size,
+)
 
 MINIMUM_SEQ_LEN = 8
 DEFAULT_SHARD_SIZE = 1 << 30  # 1 GiB, as in the reference design.

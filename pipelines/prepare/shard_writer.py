@@ -16,7 +16,12 @@ from typing import List
 import numpy as np
 
 from pipelines.manifest import ENCODER_FEATURES, SPLITS
-from pipelines.tfrecord import FRAMING_BYTES, TFRecordWriter, serialize_example, serialize_records
+from pipelines.tfrecord import (
+    FRAMING_BYTES,
+    TFRecordWriter,
+    serialize_example,
+    serialize_records,
+)
 
 # A chunk's shards until the commit: `.{split}-c{chunk:05d}-{index:05d}.tfrecord.tmp`
 # (group 2 names the chunk; shards of runs before chunking have none).

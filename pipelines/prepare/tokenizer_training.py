@@ -12,7 +12,11 @@ a resumed run load it.
 import os
 
 from pipelines.tokenizer import MODEL_FILENAME, Tokenizer, train_tokenizer
-from pipelines.wordpiece_tokenizer import VOCABULARY_FILENAME, WordPieceTokenizer, train_wordpiece
+from pipelines.wordpiece_tokenizer import (
+    VOCABULARY_FILENAME,
+    WordPieceTokenizer,
+    train_wordpiece,
+)
 
 TOKENIZER_TYPES = ("bpe", "unigram", "wordpiece")
 # What a data directory's `model_file` can be, and its name until the commit.

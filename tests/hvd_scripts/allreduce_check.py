@@ -9,10 +9,9 @@ Usage: horovodrun -np 2 --gloo -H localhost:2 python allreduce_check.py 2
 
 import sys
 
-import numpy as np
-
 # Keras 3 breaks horovod.tensorflow.keras; the plain TF API is what we use.
 import horovod.tensorflow as hvd
+import numpy as np
 import tensorflow as tf
 
 

@@ -2,7 +2,7 @@
 
 Usage: fit_check.py OUT {bridge,horovod-keras}
 
-`bridge` trains with tfgpt.distributed.keras_horovod and writes
+`bridge` trains with tfgpt.parallel.keras_horovod and writes
 OUT/rank-R.npz with the weights after broadcast, after the first step and
 at the end, this rank's own first-step gradients, the first step's learning
 rate, and each epoch's logs before and after `AverageMetrics`. Rank 0 alone
@@ -22,9 +22,9 @@ import numpy as np
 import tensorflow as tf
 
 from tfgpt import GPT
-from tfgpt.distributed import keras_horovod
-from tfgpt.distributed.horovod_bridge import HorovodDistribution
-from tfgpt.training.schedules import WarmupDecay
+from tfgpt.optim.schedules import WarmupDecay
+from tfgpt.parallel import keras_horovod
+from tfgpt.parallel.horovod_bridge import HorovodDistribution
 
 VOCABULARY = 29
 BATCH, SEQUENCE, STEPS_PER_EPOCH, EPOCHS = 3, 6, 4, 2

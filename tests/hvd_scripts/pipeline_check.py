@@ -34,10 +34,10 @@ import tensorflow as tf
 
 from tfgpt import GPT
 from tfgpt.config.training import TrainConfig
-from tfgpt.distributed.zero import slot_variables
-from tfgpt.distributed.tensor_parallel import split_rules
+from tfgpt.optim.optimizers import make_optimizer
+from tfgpt.parallel.tensor_parallel import split_rules
+from tfgpt.parallel.zero import slot_variables
 from tfgpt.training.loop import POLICIES
-from tfgpt.training.optimizers import make_optimizer
 
 STEPS = 6
 VOCABULARY = 37
@@ -76,7 +76,7 @@ def main(argv=None):
     if not args.global_batch:
         # Before TensorFlow starts: it sets the threads.
         from tfgpt.config.distribution import HorovodOptions
-        from tfgpt.distributed.horovod_bridge import HorovodDistribution
+        from tfgpt.parallel.horovod_bridge import HorovodDistribution
 
         distribution = HorovodDistribution.create(HorovodOptions(
             pipeline_parallel=args.stages, microbatches=args.microbatches,
@@ -98,26 +98,26 @@ def main(argv=None):
     rank = 0
     data = batches(args.rows, args.vocabulary)
     if args.global_batch:
-        from tfgpt.distributed.local import LocalDistribution
+        from tfgpt.parallel.local import LocalDistribution
         from tfgpt.training.train_step import TrainStep
 
         optimizer.build(model.trainable_variables)
         step = TrainStep(model, optimizer, LocalDistribution())
         variables = model.trainable_variables
     else:
-        from tfgpt.distributed.pipeline_executor import PipelineTrainStep
-        from tfgpt.distributed.pipeline_schedule import PipelineSchedule
-        from tfgpt.distributed.pipeline_stage import PipelineStage
+        from tfgpt.parallel.pipeline_executor import PipelineTrainStep
+        from tfgpt.parallel.pipeline_schedule import PipelineSchedule
+        from tfgpt.parallel.pipeline_stage import PipelineStage
 
-        layout = distribution.layout
+        state = distribution.state
         rank = distribution.rank
         schedule = PipelineSchedule(args.schedule, args.stages, args.microbatches,
                                     args.virtual_stages)
-        stage = PipelineStage(model, schedule, layout.stage, partition=args.partition,
+        stage = PipelineStage(model, schedule, state.stage, partition=args.partition,
                               sequence_length=LENGTH)
         zero = None
         if args.zero_stage:
-            from tfgpt.distributed.zero import ZeroSharding
+            from tfgpt.parallel.zero import ZeroSharding
 
             zero = ZeroSharding(args.zero_stage, model, optimizer, distribution,
                                 variables=stage.trainable_variables)
@@ -127,8 +127,8 @@ def main(argv=None):
                                  distribution.data_process_set, zero=zero)
         variables = model.trainable_variables
         # Each pipeline (data-parallel replica) trains on its rows of the batch.
-        rows = slice(layout.data_index * args.rows // layout.data,
-                     (layout.data_index + 1) * args.rows // layout.data)
+        rows = slice(state.data_index * args.rows // state.data,
+                     (state.data_index + 1) * args.rows // state.data)
         data = [(inputs[rows], targets[rows]) for inputs, targets in data]
     losses, norms = [], []
     for index, batch in enumerate(data):

@@ -25,8 +25,8 @@ import tensorflow as tf
 
 from tfgpt import GPT
 from tfgpt.config.distribution import HorovodOptions
-from tfgpt.distributed.horovod_bridge import HorovodDistribution
-from tfgpt.distributed.shared_memory import SharedMemoryAllreduce, segment_path
+from tfgpt.parallel.horovod_bridge import HorovodDistribution
+from tfgpt.parallel.shared_memory import SharedMemoryAllreduce, segment_path
 from tfgpt.training.train_step import TrainStep
 
 SHAPES = [(), (0,), (7,), (3, 5), (1001,)]

@@ -1,6 +1,6 @@
 """Tensor-parallel operators against unsplit autodiff: run under horovodrun -np 2 (or 4).
 
-Each rank builds its tensor group from `ParallelLayout(size, tensor=2)`
+Each rank builds its tensor group from `ParallelState(size, tensor=2)`
 and computes, inside a tf.function, with its slice of the same random
 weights (every rank draws the whole weights from one seed):
 
@@ -26,8 +26,8 @@ import horovod.tensorflow as hvd  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from tfgpt.distributed.layout import ParallelLayout  # noqa: E402
-from tfgpt.distributed.tensor_parallel import TensorSlice  # noqa: E402
+from tfgpt.parallel.state import ParallelState  # noqa: E402
+from tfgpt.parallel.tensor_parallel import TensorSlice  # noqa: E402
 
 BATCH, LENGTH, WIDTH, INNER, VOCABULARY = 3, 5, 6, 8, 10
 
@@ -35,7 +35,7 @@ BATCH, LENGTH, WIDTH, INNER, VOCABULARY = 3, 5, 6, 8, 10
 def main():
     out = sys.argv[1]
     hvd.init()
-    layout = ParallelLayout(hvd.size(), tensor=2)
+    layout = ParallelState(hvd.size(), tensor=2)
     tensor_set = layout.process_sets(hvd, hvd.rank())["tensor"]
     index = layout.coordinates(hvd.rank())[2]
     group = TensorSlice(hvd, tensor_set, layout.tensor, index)

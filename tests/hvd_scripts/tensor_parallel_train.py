@@ -26,9 +26,9 @@ import numpy as np
 
 from tfgpt import GPT
 from tfgpt.config.training import TrainConfig
-from tfgpt.distributed.tensor_parallel import split_rules
-from tfgpt.distributed.zero import slot_variables
-from tfgpt.training.optimizers import make_optimizer
+from tfgpt.optim.optimizers import make_optimizer
+from tfgpt.parallel.tensor_parallel import split_rules
+from tfgpt.parallel.zero import slot_variables
 from tfgpt.training.train_step import TrainStep
 
 VOCABULARY = 38
@@ -61,11 +61,11 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     if args.global_batch:
-        from tfgpt.distributed.local import LocalDistribution
+        from tfgpt.parallel.local import LocalDistribution
 
         distribution = LocalDistribution()
     else:
-        from tfgpt.distributed.horovod_bridge import HorovodDistribution
+        from tfgpt.parallel.horovod_bridge import HorovodDistribution
 
         distribution = HorovodDistribution(bucket_mb=0.001, tensor_parallel=args.tensor)
         distribution.configure_devices()
@@ -81,7 +81,7 @@ def main(argv=None):
     optimizer = make_optimizer(config, 1, steps=args.steps)
     zero = None
     if args.zero_stage:
-        from tfgpt.distributed.zero import ZeroSharding
+        from tfgpt.parallel.zero import ZeroSharding
 
         distribution.broadcast_variables(model.variables)
         zero = ZeroSharding(args.zero_stage, model, optimizer, distribution)

@@ -12,7 +12,7 @@ import numpy as np
 
 from tfgpt.config import family_of_preset
 from tfgpt.config.distribution import HorovodOptions
-from tfgpt.distributed.horovod_bridge import HorovodDistribution
+from tfgpt.parallel.horovod_bridge import HorovodDistribution
 from tfgpt.training import objectives
 from tfgpt.training.flags import parse_flags
 from tfgpt.training.trainer import train

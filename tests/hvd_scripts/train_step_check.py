@@ -13,9 +13,8 @@ import numpy as np
 import tensorflow as tf
 
 from tfgpt import GPT
-from tfgpt.distributed.horovod_bridge import HorovodDistribution
+from tfgpt.parallel.horovod_bridge import HorovodDistribution
 from tfgpt.training.train_step import TrainStep, cross_entropy
-
 
 # Small enough that this model's gradients make several buckets, which the
 # train step below uses too.

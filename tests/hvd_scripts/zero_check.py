@@ -33,8 +33,8 @@ import tensorflow as tf
 from tfgpt import GPT
 from tfgpt.config.training import TrainConfig
 from tfgpt.layers.transformer_block import set_recompute
+from tfgpt.optim.optimizers import make_optimizer
 from tfgpt.training.loop import POLICIES
-from tfgpt.training.optimizers import make_optimizer
 from tfgpt.training.train_step import TrainStep, cross_entropy
 
 STEPS = 6
@@ -75,15 +75,15 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     if args.global_batch:
-        from tfgpt.distributed.local import LocalDistribution
+        from tfgpt.parallel.local import LocalDistribution
 
         distribution = LocalDistribution()
     else:
-        from tfgpt.distributed.horovod_bridge import HorovodDistribution
+        from tfgpt.parallel.horovod_bridge import HorovodDistribution
 
-        distribution = HorovodDistribution(bucket_mb=0.001)  # several buckets
+        distribution = HorovodDistribution(bucket_mb=0.001,  # several buckets
+                                           zero_stage=args.stage)
         distribution.configure_devices()
-        distribution.zero_stage = args.stage
     config = TrainConfig(
         data=args.out, steps=STEPS, learning_rate=0.01, warmup_steps=2, optimizer=args.optimizer,
         weight_decay=0.1, gradient_clip_norm=args.clip, mixed_precision=args.precision,
@@ -98,7 +98,7 @@ def main(argv=None):
     optimizer = make_optimizer(config, 1, steps=STEPS)
     zero = None
     if args.stage:
-        from tfgpt.distributed.zero import ZeroSharding
+        from tfgpt.parallel.zero import ZeroSharding
 
         distribution.broadcast_variables(model.variables)
         zero = ZeroSharding(args.stage, model, optimizer, distribution)

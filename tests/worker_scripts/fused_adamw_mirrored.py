@@ -12,8 +12,12 @@ import tensorflow as tf
 from tfgpt import GPT
 from tfgpt.config import TrainConfig
 from tfgpt.config.distribution import StrategyOptions
-from tfgpt.distributed.strategy import StrategyDistribution
-from tfgpt.training.optimizers import NO_DECAY_PATTERN, learning_rate_schedule, make_optimizer
+from tfgpt.optim.optimizers import (
+    NO_DECAY_PATTERN,
+    learning_rate_schedule,
+    make_optimizer,
+)
+from tfgpt.parallel.strategy import StrategyDistribution
 from tfgpt.training.train_step import TrainStep
 
 

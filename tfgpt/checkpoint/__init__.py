@@ -9,7 +9,12 @@ process reads the whole model (`run.load_weights`).
 
 from tfgpt.checkpoint.files import latest, step_of, write_json_atomically
 from tfgpt.checkpoint.run import (
-    CONFIG_FILE, TOKENIZER_FILE, RunCheckpointer, load_weights, read_config, save_weights,
+    CONFIG_FILE,
+    TOKENIZER_FILE,
+    RunCheckpointer,
+    load_weights,
+    read_config,
+    save_weights,
     write_run_files,
 )
 

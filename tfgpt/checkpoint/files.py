@@ -7,7 +7,7 @@ A checkpoint of a run at step S is the directory `OUT/ckpt-S/`:
   global tensor, named by its key (the variable's path in the whole model,
   `tfgpt.checkpoint.state`): the slice `index` of `T` that tensor
   parallelism cuts along `axis` (in `groups` interleaved parts, as the fused
-  query/key/value is cut; `tfgpt.distributed.tensor_parallel.take_slice`),
+  query/key/value is cut; `tfgpt.parallel.tensor_parallel.take_slice`),
   or the whole tensor, then rows `[start, stop)` of that slice (a ZeRO
   shard) or all of them. A per-rank object (a dropout generator's state,
   which cannot be resliced) is a chunk tied to its rank's coordinates;
@@ -33,7 +33,7 @@ import zipfile
 import numpy as np
 import tensorflow as tf
 
-from tfgpt.distributed.tensor_parallel import join_slices, take_slice
+from tfgpt.parallel.tensor_parallel import join_slices, take_slice
 
 INDEX_FILE = "index.json"
 FORMAT = "tfgpt-chunks/1"

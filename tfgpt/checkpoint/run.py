@@ -7,10 +7,16 @@ import shutil
 import tensorflow as tf
 
 from tfgpt.checkpoint.files import (
-    INDEX_FILE, Reader, commit, latest, step_directory, write_json_atomically, write_rank,
+    INDEX_FILE,
+    Reader,
+    commit,
+    latest,
+    step_directory,
+    write_json_atomically,
+    write_rank,
 )
 from tfgpt.checkpoint.state import model_entries, value_of
-from tfgpt.distributed.local import LocalDistribution
+from tfgpt.parallel.local import LocalDistribution
 
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.model"
@@ -47,17 +53,14 @@ def layout_of(distribution):
     """`(coordinates, description)` of this rank in `distribution`: its
     (data, pipeline, tensor) coordinates, and what the index records of the
     layout (two layouts that record the same hold the same per-rank objects)."""
-    layout = getattr(distribution, "layout", None)
-    if layout is None:
-        return (distribution.rank, 0, 0), {"ranks": distribution.num_workers,
-                                           "data_pipeline_tensor": [distribution.num_workers, 1, 1]}
-    options = getattr(distribution, "options", None)
+    state = distribution.state
     cut = None
-    if layout.pipeline > 1:
-        cut = [getattr(options, name) for name in ("virtual_stages", "pipeline_partition")]
-    return layout.coordinates(), {"ranks": layout.size, "pipeline_cut": cut,
-                                  "data_pipeline_tensor": [layout.data, layout.pipeline,
-                                                           layout.tensor]}
+    if state.pipelined:
+        cut = [getattr(distribution.options, name)
+               for name in ("virtual_stages", "pipeline_partition")]
+    return state.coordinates(), {"ranks": state.size, "pipeline_cut": cut,
+                                 "data_pipeline_tensor": [state.data, state.pipeline,
+                                                          state.tensor]}
 
 
 class RunCheckpointer:

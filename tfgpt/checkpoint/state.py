@@ -8,8 +8,8 @@ models in a process (a second GPT is `gpt_1`, a backbone
 `bert_backbone`); `/momentum` or `/velocity` after it for the optimizer's
 moments, `optimizer/...` for the optimizer's own counters,
 `step` and `data_cursor` for the run's. The region follows from the
-layout: a tensor slice (`tfgpt.distributed.tensor_parallel` split rules),
-a ZeRO shard's rows (`tfgpt.distributed.zero`), the blocks of a pipeline
+layout: a tensor slice (`tfgpt.parallel.tensor_parallel` split rules),
+a ZeRO shard's rows (`tfgpt.parallel.zero`), the blocks of a pipeline
 stage. Of the ranks that hold one region alike, one writes it: the first
 data replica, the first tensor slice for what is not split, the stage that
 trains a variable (the first stage for a tied token table).
@@ -20,8 +20,8 @@ import dataclasses
 import keras
 import numpy as np
 
-from tfgpt.distributed.tensor_parallel import split_rules, split_seed_states
-from tfgpt.distributed.zero import slot_variables
+from tfgpt.parallel.tensor_parallel import split_rules, split_seed_states
+from tfgpt.parallel.zero import slot_variables
 
 
 @dataclasses.dataclass

@@ -12,7 +12,12 @@ import dataclasses
 import socket
 
 from tfgpt.config.checks import require_positive_int
-from tfgpt.config.training import ALLREDUCE_BUCKET_MB, require_non_negative_int, require_one_of
+from tfgpt.config.training import (
+    ALLREDUCE_BUCKET_MB,
+    require_non_negative_int,
+    require_one_of,
+)
+from tfgpt.parallel import refusals
 
 STRATEGIES = ("default", "one-device", "mirrored", "multi-worker")
 ZERO_STAGES = (0, 1, 2, 3)
@@ -147,17 +152,7 @@ class HorovodOptions:
         require_one_of("zero_stage", self.zero_stage, ZERO_STAGES)
         require_one_of("allreduce_transport", self.allreduce_transport, ALLREDUCE_TRANSPORTS)
         require_positive_int("commit_every", self.commit_every)
-        if self.elastic and self.zero_stage:
-            raise ValueError(
-                f"--elastic cannot re-shard --zero-stage {self.zero_stage} state when "
-                "workers come and go: use --zero-stage 0 with --elastic"
-            )
         require_positive_int("tensor_parallel", self.tensor_parallel)
-        if self.elastic and self.tensor_parallel > 1:
-            raise ValueError(
-                f"--elastic cannot re-split --tensor-parallel {self.tensor_parallel} slices when "
-                "workers come and go: use --tensor-parallel 1 with --elastic"
-            )
         require_one_of("pipeline_partition", self.pipeline_partition, PIPELINE_PARTITIONS)
         check_pipeline_schedule(self.pipeline_schedule, self.pipeline_parallel,
                                 self.microbatches, self.virtual_stages)
@@ -168,18 +163,8 @@ class HorovodOptions:
                 f"one). Received: microbatches={self.microbatches}, "
                 f"virtual_stages={self.virtual_stages}, pipeline_parallel=1"
             )
-        if self.pipeline_parallel > 1 and self.zero_stage > 1:
-            raise ValueError(
-                f"--zero-stage {self.zero_stage} does not combine with --pipeline-parallel: "
-                "use --zero-stage 1, which shards each stage's optimizer state over its "
-                f"replicas. Received: zero_stage={self.zero_stage}, "
-                f"pipeline_parallel={self.pipeline_parallel}"
-            )
-        if self.elastic and self.pipeline_parallel > 1:
-            raise ValueError(
-                f"--elastic cannot re-cut --pipeline-parallel {self.pipeline_parallel} stages when "
-                "workers come and go: use --pipeline-parallel 1 with --elastic"
-            )
+        refusals.check(refusals.Run(tensor=self.tensor_parallel, pipeline=self.pipeline_parallel,
+                                    zero_stage=self.zero_stage, elastic=self.elastic))
 
 
 @dataclasses.dataclass

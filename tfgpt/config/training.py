@@ -16,7 +16,7 @@ from tfgpt.config.checks import require_towers_divide_batch
 from tfgpt.config.models import FAMILIES
 
 # Horovod: megabytes of gradients per grouped allreduce (the Horovod front
-# ends' --allreduce-bucket-mb default; see tfgpt.distributed.horovod_bridge).
+# ends' --allreduce-bucket-mb default; see tfgpt.parallel.horovod_bridge).
 ALLREDUCE_BUCKET_MB = 3.0
 
 
@@ -91,7 +91,7 @@ class RunConfig:
             machine's cores among the workers on it.
         towers: int. Slices of each worker's batch whose forward and
             backward passes run side by side, each op of a slice on
-            threads / towers threads (`tfgpt.distributed.cpu_threads`):
+            threads / towers threads (`tfgpt.parallel.cpu_threads`):
             on CPU, two one-thread chains beat one two-thread chain at
             small models' shapes. 0 chooses: 2 on a CPU worker with at
             least 2 threads, one replica, XLA off and an even batch size,
@@ -99,7 +99,7 @@ class RunConfig:
         peak_flops: float. Peak FLOP/s of one worker, for MFU; 0 measures
             chains of 2048x2048 matmuls in the training dtype at start-up,
             one per tower, once per machine (kept under `TFGPT_CACHE_DIR`,
-            default ~/.cache/tfgpt; `tfgpt.training.flops.cached_matmul_peak`).
+            default ~/.cache/tfgpt; `tfgpt.observe.flops.cached_matmul_peak`).
         profile_steps: str. `START,END`: record a TensorFlow profiler trace
             of steps START to END (1-based and inclusive, as logged) in
             OUT/profile, on the chief only (`python -m bench.profile_summary
@@ -108,7 +108,7 @@ class RunConfig:
             window's time split and host figures, one warning line the
             first time each fires (input-bound, straggler,
             communication-bound, low-utilisation, memory-growth,
-            loss-not-falling, gradient-spike; `tfgpt.training.monitor`).
+            loss-not-falling, gradient-spike; `tfgpt.observe.monitor`).
             `off`: log the figures only.
     """
 

@@ -40,23 +40,26 @@ from tfgpt.finetuning.task_models import (
     classification_loss,
     span_loss,
 )
+from tfgpt.observe.reporter import Reporter
+from tfgpt.parallel import refusals
+from tfgpt.parallel.local import LocalDistribution
 from tfgpt.training import loop
-from tfgpt.training.reporter import Reporter
 from tfgpt.training.train_step import TrainStep
 
 PREDICTIONS_FILE = "predictions.json"
 RESULTS_FILE = "eval_results.json"
 
 
-def finetune(config, model_overrides=None, distribution=None):
+def finetune(config, model_overrides=None, distribution=None, callbacks=()):
     """Fine-tunes and evaluates; returns `(model, metrics)`.
 
     Args:
         config: FinetuneConfig.
         model_overrides: dict of BertConfig/AlbertConfig fields set by
             flags (see `tfgpt.finetuning.flags.parse_flags`).
-        distribution: a `tfgpt.distributed` object (local, Horovod, a
+        distribution: a `tfgpt.parallel` object (local, Horovod, a
             tf.distribute strategy); None runs in this process alone.
+        callbacks: `tfgpt.training.loop.Callback`s of the loop.
 
     Returns:
         The task model and a dict with the last logged training metrics
@@ -66,24 +69,11 @@ def finetune(config, model_overrides=None, distribution=None):
         unprefixed).
     """
     if distribution is None:
-        from tfgpt.distributed.local import LocalDistribution
 
         distribution = LocalDistribution()
-    if getattr(distribution.options, "elastic", False):
-        raise ValueError(
-            "--elastic is for pretraining (train_hvd.py): fine-tuning runs on a fixed set "
-            "of workers"
-        )
-    if distribution.tensor_slice is not None:
-        raise ValueError(
-            f"--tensor-parallel {distribution.tensor_slice.size} splits GPT pretraining "
-            "(train_hvd.py) only; fine-tuning trains BERT and ALBERT, whose layers are not split"
-        )
-    if loop.pipelined(distribution):
-        raise ValueError(
-            f"--pipeline-parallel {distribution.layout.pipeline} cuts a GPT for pretraining "
-            "(train_hvd.py); fine-tuning runs the whole encoder on every worker"
-        )
+    refusals.check(refusals.Run.of(
+        distribution.state, elastic=getattr(distribution.options, "elastic", False),
+        command="finetuning"))
     model_overrides = dict(model_overrides or {})
     out = config.out
 
@@ -169,6 +159,7 @@ def finetune(config, model_overrides=None, distribution=None):
         accumulation_steps=config.accumulation_steps,
         towers=towers,
         zero=zero,
+        compute_delay=sum(callback.compute_delay() for callback in callbacks),
     )
 
     # Checkpoints: the chief saves model, optimizer, step and dropout state.
@@ -218,6 +209,7 @@ def finetune(config, model_overrides=None, distribution=None):
         steps=steps,
         global_batch=global_batch,
         sequence_length=config.max_sequence_length,
+        callbacks=callbacks,
     )
     # The training input is done with: its teardown must not hold up the end.
     loop.release_in_background(batches)

@@ -3,8 +3,8 @@
 import tensorflow as tf
 
 from tfgpt.config.checks import require_divisible
-from tfgpt.distributed.tensor_parallel import current_slice, mark_split, sliced_initializer
 from tfgpt.layers.configured_layer import ConfiguredLayer, normal_initializer
+from tfgpt.parallel.tensor_parallel import current_slice, mark_split, sliced_initializer
 
 # The score of a key a query may not attend to: a large finite negative
 # rather than -inf, so that a row with no such key (a padding query) gives a
@@ -28,7 +28,7 @@ class SelfAttentionBase(ConfiguredLayer):
         num_heads: int. Number of attention heads.
         dropout: float. Dropout rate on the attention probabilities.
 
-    Built inside `tfgpt.distributed.tensor_parallel.slice_scope`, the layer
+    Built inside `tfgpt.parallel.tensor_parallel.slice_scope`, the layer
     holds `local_heads` of the heads (its slice): the projection to the
     heads is column-parallel, the output projection row-parallel (its
     partial products summed over the tensor group), and the attention

@@ -3,8 +3,8 @@
 import keras
 import tensorflow as tf
 
-from tfgpt.distributed.tensor_parallel import current_slice, mark_split, sliced_initializer
 from tfgpt.layers.configured_layer import ConfiguredLayer, normal_initializer
+from tfgpt.parallel.tensor_parallel import current_slice, mark_split, sliced_initializer
 
 
 @keras.saving.register_keras_serializable(package="tfgpt")
@@ -18,7 +18,7 @@ class TokenAndPositionEmbedding(ConfiguredLayer):
         hidden_dim: int. Embedding width.
         dropout: float. Dropout rate applied to the sum.
 
-    Built inside `tfgpt.distributed.tensor_parallel.slice_scope`, the token
+    Built inside `tfgpt.parallel.tensor_parallel.slice_scope`, the token
     table holds the slice's `vocabulary_size / T` rows (vocabulary-parallel:
     each rank looks up the ids it holds, the sum over the group gives every
     rank every row); the position table is replicated.

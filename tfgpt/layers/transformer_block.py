@@ -4,11 +4,11 @@ import keras
 import tensorflow as tf
 
 from tfgpt.config.checks import require_one_of
-from tfgpt.distributed.tensor_parallel import current_slice, mark_split, sliced_initializer
 from tfgpt.layers.activated_dense import ActivatedDense
 from tfgpt.layers.causal_self_attention import CausalSelfAttention
 from tfgpt.layers.configured_layer import ConfiguredLayer, normal_initializer
 from tfgpt.layers.self_attention import SelfAttention
+from tfgpt.parallel.tensor_parallel import current_slice, mark_split, sliced_initializer
 
 # The block's attention, by the name its `attention` argument takes.
 ATTENTION_LAYERS = {"causal": CausalSelfAttention, "bidirectional": SelfAttention}
@@ -53,7 +53,7 @@ class TransformerBlock(ConfiguredLayer):
     constructor argument and not in `get_config()`. Gradients are unchanged,
     dropout included (the recomputation replays the same dropout masks).
 
-    Built inside `tfgpt.distributed.tensor_parallel.slice_scope`, the block
+    Built inside `tfgpt.parallel.tensor_parallel.slice_scope`, the block
     holds its tensor slice (Shoeybi et al. 2019): its attention's slice of
     the heads, and `local_intermediate` of the feed-forward width, the
     first matmul column-parallel (after f) and the second row-parallel
@@ -73,7 +73,7 @@ class TransformerBlock(ConfiguredLayer):
     # Training-time option, see the class docstring.
     recompute = False
     # Where the block's weights come from while it runs: None reads its
-    # variables; sharded training (ZeRO stage 3, `tfgpt.distributed.zero`)
+    # variables; sharded training (ZeRO stage 3, `tfgpt.parallel.zero`)
     # sets a callable that takes the block's inputs and returns a context
     # that gathers the weights for the call once those inputs exist.
     weights_scope = None

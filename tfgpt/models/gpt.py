@@ -5,10 +5,10 @@ import tensorflow as tf
 
 from tfgpt import decoding
 from tfgpt.config import GPTConfig
-from tfgpt.distributed.tensor_parallel import current_slice, mark_split, sliced_initializer
 from tfgpt.layers.token_and_position_embedding import TokenAndPositionEmbedding
 from tfgpt.models.block_stack import BlockStack
 from tfgpt.models.configured_model import ConfiguredModel
+from tfgpt.parallel.tensor_parallel import current_slice, mark_split, sliced_initializer
 
 
 @keras.saving.register_keras_serializable(package="tfgpt")
@@ -21,7 +21,7 @@ class GPT(BlockStack, ConfiguredModel):
     (B, T, vocabulary_size) whatever the dtype policy, so the loss and its
     softmax run in float32 under mixed precision.
 
-    Built inside `tfgpt.distributed.tensor_parallel.slice_scope` (tensor
+    Built inside `tfgpt.parallel.tensor_parallel.slice_scope` (tensor
     parallelism, `--tensor-parallel`), each rank holds its slice of every
     block and of the vocabulary, and returns the logits of its own
     `vocabulary_size / T` ids (B, T, V/T): the loss takes them as they

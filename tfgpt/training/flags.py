@@ -19,6 +19,7 @@ import textwrap
 import typing
 
 from tfgpt.cli import HelpFormatter
+from tfgpt.config.distribution import FRONT_ENDS
 from tfgpt.config.models import ACTIVATIONS, FAMILIES, family_of_preset
 from tfgpt.config.training import TrainConfig
 
@@ -220,7 +221,6 @@ def parse_config_flags(argv, description, usage, config_class, model_group, chec
 
 def _unrecognized(unknown, options_class):
     """argparse's message, or which front end takes a distribution flag given to the other."""
-    from tfgpt.config.distribution import FRONT_ENDS
 
     for cls, front_ends in FRONT_ENDS.items():
         if cls is options_class:

@@ -19,8 +19,10 @@ class Command:
     Args:
         flags: str. Module whose `parse_flags(argv, description,
             options_class)` returns `(config, model_overrides, options)`.
-        core: str. `"module:function"`, called as
-            `function(config, model_overrides=..., distribution=...)`.
+        core: str. `"module:function"`, called as `function(config,
+            model_overrides=..., distribution=..., callbacks=...)`; the
+            callbacks are the test-only faults the environment asks for
+            (`tfgpt.resilience.faults`).
     """
 
     def __init__(self, flags, core):
@@ -39,6 +41,10 @@ class Command:
         one (so that its refusals, such as sizes that do not fit the
         number of workers, are one `error:` line too).
         """
+
+        from tfgpt.resilience import (
+            faults,  # these start TensorFlow: not before the flags
+        )
         from tfgpt.training.loop import TrainingDiverged
 
         module, name = self.core.split(":")
@@ -46,7 +52,8 @@ class Command:
         try:
             if callable(distribution):
                 distribution = distribution()
-            core(config, model_overrides=model_overrides, distribution=distribution)
+            core(config, model_overrides=model_overrides, distribution=distribution,
+                 callbacks=faults.from_environment(distribution))
         except (ValueError, TrainingDiverged) as error:
             print(f"error: {error}", file=sys.stderr)
             return 2

@@ -13,7 +13,6 @@ and the final save.
 import dataclasses
 import math
 import os
-import signal
 import threading
 import time
 
@@ -26,10 +25,11 @@ from tfgpt.checkpoint import latest
 from tfgpt.checkpoint import run as checkpoint_run
 from tfgpt.checkpoint.state import replicated_optimizer_variables, run_entries
 from tfgpt.models.gpt import GPT
-from tfgpt.training import faults, flops, monitor
-from tfgpt.training.optimizers import make_optimizer
-from tfgpt.training.precision import slow_precision_warning
-from tfgpt.training.profiling import StepProfiler
+from tfgpt.observe import flops, monitor
+from tfgpt.observe.profiling import StepProfiler
+from tfgpt.optim.optimizers import make_optimizer
+from tfgpt.optim.precision import slow_precision_warning
+from tfgpt.parallel.zero import ZeroSharding, state_bytes
 from tfgpt.training.train_step import STEP_TIMES
 
 POLICIES = {"off": "float32", "float16": "mixed_float16", "bfloat16": "mixed_bfloat16"}
@@ -37,6 +37,42 @@ POLICIES = {"off": "float32", "float16": "mixed_float16", "bfloat16": "mixed_bfl
 
 class TrainingDiverged(RuntimeError):
     """The loss became NaN or infinite."""
+
+
+class Callback:
+    """What a run does around its steps beside the loop's own work (`run_loop`).
+
+    The loop calls every callback's `on_step_begin(step)` before step
+    `step` reads its batch, `on_step_end(step)` once it is done (before its
+    logging and saving) and `on_save(step)` once its checkpoint is
+    committed. An elastic run's data position and commits, a global
+    order's cursor and the test-only fault injection
+    (`tfgpt.resilience.faults`) are callbacks.
+    """
+
+    def on_step_begin(self, step):
+        pass
+
+    def on_step_end(self, step):
+        pass
+
+    def on_save(self, step):
+        pass
+
+    def compute_delay(self):
+        """Seconds each forward pass starts late, inside the measured compute
+        (the train step takes the sum; only fault injection sets it)."""
+        return 0.0
+
+
+class EachStep(Callback):
+    """Calls `function(step)` at the end of every step."""
+
+    def __init__(self, function):
+        self.function = function
+
+    def on_step_end(self, step):
+        self.function(step)
 
 
 def existing_checkpoints(config):
@@ -98,7 +134,7 @@ def warmup_warning(config, steps):
 
 def zero_warning(distribution):
     """A warning (str) when --zero-stage has nothing to shard over, else None."""
-    stage = getattr(distribution, "zero_stage", 0)
+    stage = distribution.state.zero_stage
     if not stage or distribution.size > 1:
         return None
     return (
@@ -123,7 +159,7 @@ def build_model_and_optimizer(config, distribution, build_model, steps):
     policy; the optimizer's slots exist before the first step, so that
     rank 0's whole state can be broadcast (`run_loop`'s caller does).
     Under Horovod with `--zero-stage` 1-3, `zero` is the
-    `tfgpt.distributed.zero.ZeroSharding` that holds this rank's shards
+    `tfgpt.parallel.zero.ZeroSharding` that holds this rank's shards
     (rank 0's weights are broadcast before they are cut), the optimizer
     is built on those shards, and `broadcast_state` sends only what every
     rank holds alike; otherwise `zero` is None.
@@ -137,12 +173,10 @@ def build_model_and_optimizer(config, distribution, build_model, steps):
         )
         step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
         zero = None
-        stage = getattr(distribution, "zero_stage", 0)
-        if pipelined(distribution):
+        stage = distribution.state.zero_stage
+        if distribution.state.pipelined:
             pass  # built (or sharded) on its stage's variables: tfgpt.training.pipeline_run
         elif stage:
-            from tfgpt.distributed.zero import ZeroSharding
-
             distribution.broadcast_variables(model.variables)
             zero = ZeroSharding(stage, model, optimizer, distribution)
         else:
@@ -150,15 +184,9 @@ def build_model_and_optimizer(config, distribution, build_model, steps):
     return model, optimizer, step, zero
 
 
-def pipelined(distribution):
-    """Whether the run is cut into pipeline stages (`--pipeline-parallel` above 1)."""
-    layout = getattr(distribution, "layout", None)
-    return layout is not None and layout.pipeline > 1
-
-
 def broadcast_state(distribution, model, optimizer, step, zero):
     """Makes rank 0's state every rank's: all of it, or under ZeRO what is not sharded."""
-    if pipelined(distribution):
+    if distribution.state.pipelined:
         # Every rank built the whole model from the seed; the optimizers differ by stage.
         distribution.broadcast_variables(model.variables + [step])
         return
@@ -182,7 +210,6 @@ def state_line(model, distribution, zero):
 
     `model`: what this rank trains (a pipeline's `PipelineStage`).
     """
-    from tfgpt.distributed.zero import state_bytes
 
     stage = zero.stage if zero else 0
     parameters = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
@@ -190,10 +217,10 @@ def state_line(model, distribution, zero):
                         gathered=zero.largest_unit() if zero and stage == 3 else 0)
     gib = byte_size
     ranks = f"{distribution.size} rank(s)"
-    staged, tensor = pipelined(distribution), distribution.tensor_slice
+    staged, tensor = distribution.state.pipelined, distribution.tensor_slice
     if staged or tensor is not None:  # the layout's sizes, data x pipeline x tensor
         ranks = (f"{distribution.size} data replica(s)"
-                 + (f" x pipeline {distribution.layout.pipeline}" if staged else "")
+                 + (f" x pipeline {distribution.state.pipeline}" if staged else "")
                  + (f" x tensor {tensor.size}" if tensor is not None else "")
                  + ", this rank's " + ("stage's slice" if staged and tensor is not None
                                        else "stage" if staged else "slice"))
@@ -218,7 +245,7 @@ def make_checkpointer(config, distribution, model, optimizer, step, zero=None, s
     Every rank writes its part of the model, the optimizer (its moments
     sliced and sharded as its variables are), the step and its dropout
     state; `data_cursor` (an elastic run's position in the global record
-    order, `tfgpt.training.elastic`) is saved beside them when given.
+    order, `tfgpt.resilience.elastic`) is saved beside them when given.
     `zero`: the run's `ZeroSharding`; `stage`: a pipeline rank's
     `PipelineStage` (then `model` is the whole model it cuts).
     """
@@ -249,7 +276,7 @@ def run_record(config, distribution):
 
 def run_loop(config, distribution, report, *, model, optimizer, step, train_step, batches,
              checkpointer, steps, global_batch, sequence_length, perplexity=False,
-             after_step=None):
+             callbacks=()):
     """Runs steps `step + 1` to `steps`, logging and saving; returns the last logged metrics.
 
     Every `log_every` steps (and at step 1 and the last), the loss and the
@@ -261,8 +288,8 @@ def run_loop(config, distribution, report, *, model, optimizer, step, train_step
 
     Args:
         config: the run config (`tfgpt.config.training.RunConfig`).
-        distribution: a `tfgpt.distributed` object.
-        report: `tfgpt.training.reporter.Reporter`.
+        distribution: a `tfgpt.parallel` object.
+        report: `tfgpt.observe.reporter.Reporter`.
         model, optimizer, step: from `build_model_and_optimizer`.
         train_step: `tfgpt.training.train_step.TrainStep`.
         batches: iterator of this worker's batches.
@@ -271,9 +298,7 @@ def run_loop(config, distribution, report, *, model, optimizer, step, train_step
         global_batch: int. Sequences per step over all workers.
         sequence_length: int. Tokens per sequence, for tokens/s and MFU.
         perplexity: bool. Log exp(loss) (language-model losses).
-        after_step: callable `(step)` run after each step, before its
-            logging and saving (an elastic run's data position and
-            commits), or None.
+        callbacks: `Callback`s, called in order.
     """
 
     def save(at_step, last_loss):
@@ -283,12 +308,8 @@ def run_loop(config, distribution, report, *, model, optimizer, step, train_step
                 f"good checkpoint ({checkpointer.latest})"
             )
         path = checkpointer.save(at_step)
-        if faults.kill_after_save() == at_step:
-            # Fault injection (tests): every worker dies once the chief's
-            # checkpoint is on disk. Without the barrier a non-chief rank
-            # could die first, and horovodrun would stop the chief mid-write.
-            distribution.allreduce_mean(tf.constant(0.0))
-            os.kill(os.getpid(), signal.SIGKILL)
+        for callback in callbacks:
+            callback.on_save(at_step)
         return path
 
     # MFU: the model's FLOPs against this worker's peak, measured on the
@@ -315,15 +336,15 @@ def run_loop(config, distribution, report, *, model, optimizer, step, train_step
     window_steps, window_sums = 0, {}
     clock = monitor.WindowClock()  # the window's start and its time split
     host = monitor.HostSampler(gpu_index=getattr(distribution, "local_rank", 0))
-    grow_mib, kept = faults.for_rank(faults.GROW_MIB, distribution.rank), []
     rules = None
     if config.monitor_rules == "on":
-        rules = monitor.Rules(monitor.hostnames(distribution), pipeline=pipelined(distribution))
+        rules = monitor.Rules(monitor.hostnames(distribution), pipeline=distribution.state.pipelined)
     profiler = StepProfiler(
         config.profile_range(), os.path.join(config.out, "profile"), distribution.is_chief
     )
     for current in range(start, steps):
-        faults.starting_step(distribution.rank, current + 1)  # fault injection (tests)
+        for callback in callbacks:
+            callback.on_step_begin(current + 1)
         profiler.before(current + 1)
         waited = time.perf_counter()
         batch = next(batches)
@@ -332,10 +353,8 @@ def run_loop(config, distribution, report, *, model, optimizer, step, train_step
         step_times = step_metrics.pop(STEP_TIMES, None)
         clock.add_step_times(step_times)
         step.assign(current + 1)
-        if after_step is not None:
-            after_step(current + 1)
-        if grow_mib:
-            kept.append(b"\1" * int(grow_mib * 2**20))  # bytes written: resident
+        for callback in callbacks:
+            callback.on_step_end(current + 1)
         if profiler.after(current + 1, step_metrics, current + 1 == steps):
             report.info(f"profiler trace of steps {config.profile_steps} in {profiler.directory}")
         window_sums = {

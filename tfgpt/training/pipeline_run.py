@@ -3,44 +3,33 @@
 `train_hvd.py --pipeline-parallel P` runs `tfgpt.training.trainer.train`
 as usual; these are the parts that differ: the refusals, checked before
 the model is built, and the stage and its step
-(`tfgpt.distributed.pipeline_stage`, `pipeline_executor`). Each stage
+(`tfgpt.parallel.pipeline_stage`, `pipeline_executor`). Each stage
 saves the weights and optimizer state it trains in the run's one
 checkpoint format (`tfgpt.checkpoint`), which any layout resumes.
 """
 
 import numpy as np
 
-from tfgpt.distributed.pipeline_partition import check_partition
+from tfgpt.parallel.pipeline_executor import PipelineTrainStep
+from tfgpt.parallel.pipeline_partition import check_partition
+from tfgpt.parallel.pipeline_schedule import PipelineSchedule
+from tfgpt.parallel.pipeline_stage import PipelineStage
+from tfgpt.parallel.zero import ZeroSharding, state_bytes
+from tfgpt.training.loop import byte_size
 
 
-def check_pipeline_run(config, options, family, model_config):
-    """Raises ValueError, naming the flags, for what a pipeline run does not do."""
-    stages = options.pipeline_parallel
-    flag = f"--pipeline-parallel {stages}"
-    if family != "gpt":
-        raise ValueError(f"{flag} cuts a GPT into stages; --preset {config.preset} is a "
-                         f"{family} model")
-    refusals = [
-        (config.accumulation_steps > 1,
-         f"--accumulation-steps {config.accumulation_steps}: the pipeline accumulates over "
-         "--microbatches; raise --batch-size and --microbatches instead"),
-        (config.xla, "--xla: the pipeline's steps run Horovod transfers between the stages' "
-                     "passes, which XLA cannot compile"),
-        (config.mixed_precision == "float16",
-         "--mixed-precision float16: loss scaling across stages is not supported; use bfloat16"),
-        (config.recompute, "--recompute: not supported with a pipeline yet"),
-        (config.towers > 1, f"--towers {config.towers}: a pipeline stage runs one tower"),
-    ]
-    for refused, reason in refusals:
-        if refused:
-            raise ValueError(f"{flag} cannot be combined with {reason}")
+def check_pipeline_sizes(config, options, model_config):
+    """Raises ValueError, naming the flags, for sizes a pipeline cannot cut.
+
+    (What it does not combine with: `tfgpt.parallel.refusals`.)
+    """
     if config.batch_size % options.microbatches:
         raise ValueError(
             "`batch_size` must be divisible by `microbatches` (each micro-batch is "
             f"batch_size / microbatches sequences). Received: batch_size={config.batch_size}, "
             f"microbatches={options.microbatches}"
         )
-    check_partition(model_config.num_layers, stages * options.virtual_stages)
+    check_partition(model_config.num_layers, options.pipeline_parallel * options.virtual_stages)
 
 
 def build_pipeline(model, optimizer, distribution, sequence_length):
@@ -49,20 +38,15 @@ def build_pipeline(model, optimizer, distribution, sequence_length):
     With `--zero-stage 1` the optimizer is built on this rank's shards of
     them, cut over the stage's data replicas (`train_step.zero`).
     """
-    from tfgpt.distributed.pipeline_executor import PipelineTrainStep
-    from tfgpt.distributed.pipeline_schedule import PipelineSchedule
-    from tfgpt.distributed.pipeline_stage import PipelineStage
 
     options = distribution.options
     schedule = PipelineSchedule(options.pipeline_schedule, options.pipeline_parallel,
                                 options.microbatches, options.virtual_stages)
-    stage = PipelineStage(model, schedule, distribution.layout.stage,
+    stage = PipelineStage(model, schedule, distribution.state.stage,
                           partition=options.pipeline_partition, sequence_length=sequence_length)
     zero = None
-    if getattr(distribution, "zero_stage", 0):
-        from tfgpt.distributed.zero import ZeroSharding
-
-        zero = ZeroSharding(distribution.zero_stage, model, optimizer, distribution,
+    if distribution.state.zero_stage:
+        zero = ZeroSharding(distribution.state.zero_stage, model, optimizer, distribution,
                             variables=stage.trainable_variables)
     else:
         optimizer.build(stage.trainable_variables)
@@ -70,11 +54,12 @@ def build_pipeline(model, optimizer, distribution, sequence_length):
                                     distribution.data_process_set, zero=zero)
 
 
-def describe(stage, layout=None, zero_stage=0):
+def describe(stage, state=None):
     """The start-up line: the schedule, its bubble, which blocks each stage
-    runs, and what this rank trains; with the run's `layout`, for each rank
-    of the first data replica, its blocks, its tensor slice and its bytes
-    (under `zero_stage` 1, with its shard of its stage's moments)."""
+    runs, and what this rank trains; with the run's parallel `state`, for
+    each rank of the first data replica, its blocks, its tensor slice and
+    its bytes (under ZeRO stage 1, with its shard of its stage's moments)."""
+    zero_stage = state.zero_stage if state is not None else 0
     schedule = stage.schedule
     trained = sum(int(np.prod(v.shape)) for v in stage.trainable_variables)
     line = (
@@ -85,29 +70,25 @@ def describe(stage, layout=None, zero_stage=0):
         f"{' its shard of their' if zero_stage else ''} optimizer state; every rank keeps the "
         "whole model's weights)"
     )
-    if layout is not None:
+    if state is not None:
         line += "; per rank: " + "; ".join(
-            _rank_state(stage, layout, rank, zero_stage)
-            for rank in range(layout.size // layout.data))
+            _rank_state(stage, state, rank) for rank in range(state.size // state.data))
     return line
 
 
-def _rank_state(stage, layout, rank, zero_stage=0):
+def _rank_state(stage, state, rank):
     """`rank`'s blocks, slice and float32 bytes of weights (every rank holds
     its slice of all of them, and under ZeRO a float32 copy of its shards),
     gradients and AdamW moments (its stage's, or under ZeRO its shard of
-    them over the data replicas: `tfgpt.distributed.zero.state_bytes`)."""
-    from tfgpt.distributed.zero import state_bytes
-    from tfgpt.training.loop import byte_size
-
-    _, pipeline_index, tensor_index = layout.coordinates(rank)
+    them over the data replicas: `tfgpt.parallel.zero.state_bytes`)."""
+    _, pipeline_index, tensor_index = state.coordinates(rank)
     schedule = stage.schedule
     chunks = [schedule.virtual_stage(pipeline_index, chunk)
               for chunk in range(schedule.virtual_stages)]
     # A slice's sizes are the same on every rank of its tensor group.
     trained = {id(v): int(np.prod(v.shape)) for chunk in chunks
                for v in stage.chunk_variables(chunk)}
-    sizes = state_bytes(sum(trained.values()), zero_stage, layout.data)
+    sizes = state_bytes(sum(trained.values()), state.zero_stage, state.data)
     held = sum(int(np.prod(v.shape)) for v in stage.model.trainable_variables)
     # The weights it holds, plus (ZeRO) the shards' copy beside the trained ones.
     weights = 4 * held + sizes["parameters"] - 4 * sum(trained.values())
@@ -115,7 +96,7 @@ def _rank_state(stage, layout, rank, zero_stage=0):
                        for chunk in chunks)
     return (
         f"rank {rank}: stage {pipeline_index} blocks {blocks}"
-        + (f", tensor slice {tensor_index + 1}/{layout.tensor}" if layout.tensor > 1 else "")
+        + (f", tensor slice {tensor_index + 1}/{state.tensor}" if state.tensor > 1 else "")
         + f", trains {sum(trained.values()):,} of the {held:,} parameters it holds: parameters "
         f"{byte_size(weights)}, gradients {byte_size(sizes['gradients'])}, optimizer "
         f"{byte_size(sizes['optimizer'])}"

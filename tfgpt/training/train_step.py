@@ -9,13 +9,15 @@ import tensorflow as tf
 from tfgpt import kernels
 from tfgpt.config.checks import require_positive_int
 from tfgpt.graph_function import graph_function
-from tfgpt.training import faults
+from tfgpt.parallel.local import LocalDistribution
+from tfgpt.parallel.strategy import StrategyDistribution
+from tfgpt.parallel.tensor_parallel import split_rules
 
 
 def cross_entropy(targets, logits, weights=None, tensor_slice=None):
     """Mean token cross-entropy in float32, optionally weighted (B, T) or (B, P).
 
-    With a `tensor_slice` (`tfgpt.distributed.tensor_parallel`), `logits`
+    With a `tensor_slice` (`tfgpt.parallel.tensor_parallel`), `logits`
     are the slice's part of the vocabulary, combined over its tensor group.
     """
     if tensor_slice is not None:
@@ -45,8 +47,6 @@ def _dense(gradient):
 
 def _compiled_parts(distribution, xla, zero):
     """What XLA compiles for `distribution` (see TrainStep)."""
-    from tfgpt.distributed.local import LocalDistribution
-    from tfgpt.distributed.strategy import StrategyDistribution
 
     if not xla:
         return ()
@@ -116,7 +116,7 @@ class TrainStep:
     equal slices whose losses are averaged: K independent forward and
     backward chains in one graph, which TensorFlow's inter-op pool runs at
     the same time, each op on its share of the threads
-    (`tfgpt.distributed.cpu_threads`). The gradients are those of the mean
+    (`tfgpt.parallel.cpu_threads`). The gradients are those of the mean
     of the slices' losses, the same as for the whole batch when the loss is
     a plain mean over equal slices (the causal LM loss); a loss weighted by
     a mask is averaged per slice first, as across workers.
@@ -124,7 +124,7 @@ class TrainStep:
     Args:
         model: keras.Model.
         optimizer: keras optimizer (LossScaleOptimizer under float16).
-        distribution: a `tfgpt.distributed` object: its `run` places the
+        distribution: a `tfgpt.parallel` object: its `run` places the
             step on the replicas and `allreduce_gradients` averages.
         loss_fn: callable `(model, batch, training) -> (loss, metrics)`;
             defaults to the causal language-model loss.
@@ -132,13 +132,16 @@ class TrainStep:
         accumulation_steps: int. Micro-batches per update.
         towers: int. Slices of each batch computed side by side; the
             batch's first axis must be divisible by it.
-        zero: a `tfgpt.distributed.zero.ZeroSharding` (Horovod with
+        zero: a `tfgpt.parallel.zero.ZeroSharding` (Horovod with
             `--zero-stage` 1-3), which then reduces the gradients and
             applies the update on this rank's shards; None averages whole
             gradients through `distribution`.
+        compute_delay: float. Seconds each forward pass starts late, inside
+            the measured compute (test-only fault injection:
+            `tfgpt.resilience.faults`).
 
     A model built in a tensor slice (`model.tensor_slice`,
-    `tfgpt.distributed.tensor_parallel`) has its gradient norm summed over
+    `tfgpt.parallel.tensor_parallel`) has its gradient norm summed over
     its tensor group (the slices' squares once each, the replicated
     parameters' once).
 
@@ -155,7 +158,7 @@ class TrainStep:
 
     def __init__(
         self, model, optimizer, distribution, loss_fn=causal_lm_loss, xla=False,
-        accumulation_steps=1, towers=1, zero=None,
+        accumulation_steps=1, towers=1, zero=None, compute_delay=0.0,
     ):
         require_positive_int("accumulation_steps", accumulation_steps)
         require_positive_int("towers", towers)
@@ -167,10 +170,10 @@ class TrainStep:
         self.towers = towers
         self.variables = model.trainable_variables
         self.zero = zero
+        self.compute_delay = compute_delay
         # Tensor parallelism: which gradients are slices, for the global norm.
         self.tensor_slice = getattr(model, "tensor_slice", None)
         if self.tensor_slice is not None:
-            from tfgpt.distributed.tensor_parallel import split_rules
 
             rules = split_rules(model)
             self._split = [id(variable) in rules for variable in self.variables]
@@ -287,7 +290,7 @@ class TrainStep:
             # source op before the forward pass.
             start = tf.timestamp()
             after = [start]
-            delay = faults.for_rank(faults.SLOW_COMPUTE, getattr(self.distribution, "rank", 0))
+            delay = self.compute_delay
             if delay:
                 with tf.control_dependencies([start]):
                     after.append(tf.py_function(lambda: time.sleep(delay) or 0.0, [], tf.float32))

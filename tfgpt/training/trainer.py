@@ -1,7 +1,7 @@
 """Pretraining: one core for every front end, different distributions.
 
 `train()` takes a TrainConfig, model overrides and a distribution object
-(`tfgpt.distributed`) and runs, in order: config, data, model, optimizer,
+(`tfgpt.parallel`) and runs, in order: config, data, model, optimizer,
 loop, save, validation. The front ends (`train_hvd.py`, `train_mirrored.py`)
 only choose the distribution. What fine-tuning shares with it (model and
 optimizer, checkpoints, the loop) is `tfgpt.training.loop`.
@@ -15,14 +15,14 @@ import numpy as np
 import tensorflow as tf
 
 from pipelines import reader
-from tfgpt.config import FAMILIES, family_of_preset
-from tfgpt.distributed import tensor_parallel
-from tfgpt.layers.transformer_block import set_recompute
-from tfgpt.training import elastic as elastic_training
-from tfgpt.training import loop, objectives, pipeline_run
 from tfgpt.checkpoint import read_config
+from tfgpt.config import FAMILIES, family_of_preset
+from tfgpt.layers.transformer_block import set_recompute
+from tfgpt.observe.reporter import Reporter
+from tfgpt.parallel import refusals, tensor_parallel
+from tfgpt.resilience import elastic as elastic_training
+from tfgpt.training import loop, objectives, pipeline_run
 from tfgpt.training.loop import TrainingDiverged
-from tfgpt.training.reporter import Reporter
 from tfgpt.training.train_step import EvalStep, TrainStep
 
 __all__ = ["TrainingDiverged", "evaluate", "resolve_model_config", "train"]
@@ -140,13 +140,14 @@ def _check_batch_sizes(train_config, manifest, distribution):
         )
 
 
-def train(train_config, model_overrides, distribution):
+def train(train_config, model_overrides, distribution, callbacks=()):
     """Trains the model `train_config` names; returns `(model, metrics)`.
 
     Args:
         train_config: TrainConfig.
         model_overrides: dict of model config fields set explicitly by flags.
-        distribution: a `tfgpt.distributed` object (local, Horovod, ...).
+        distribution: a `tfgpt.parallel` object (local, Horovod, ...).
+        callbacks: `tfgpt.training.loop.Callback`s of the loop.
     """
     # Config: from the preset, the flags, the data and (resuming) the checkpoint.
     out = train_config.out
@@ -173,12 +174,13 @@ def train(train_config, model_overrides, distribution):
     model_config = resolve_model_config(
         train_config, model_overrides, manifest, family, saved=saved
     )
+    refusals.check(refusals.Run.of(distribution.state, elastic=elastic, family=family,
+                                   config=train_config))
     tensor_slice = distribution.tensor_slice
-    tensor_parallel.check_run(tensor_slice.size if tensor_slice else 1, family, model_config,
-                              train_config, getattr(distribution, "zero_stage", 0))
-    pipelined = loop.pipelined(distribution)
+    tensor_parallel.check_sizes(distribution.state.tensor, model_config)
+    pipelined = distribution.state.pipelined
     if pipelined:
-        pipeline_run.check_pipeline_run(train_config, distribution.options, family, model_config)
+        pipeline_run.check_pipeline_sizes(train_config, distribution.options, model_config)
     if not elastic:  # the global order is endless: any batch size fits
         _check_batch_sizes(train_config, manifest, distribution)
     report = Reporter(out, distribution.is_chief)
@@ -195,7 +197,7 @@ def train(train_config, model_overrides, distribution):
         f"{towers} tower(s) per replica"
     )
     if tensor_slice is not None or pipelined:
-        report.info(distribution.layout.describe())
+        report.info(distribution.state.describe())
     loop.start_up_warnings(report, train_config, train_config.steps, distribution)
 
     # Model and optimizer: identical initial weights everywhere (seeded, then broadcast).
@@ -219,7 +221,7 @@ def train(train_config, model_overrides, distribution):
         # Horovod: each rank trains its stage; micro-batches flow through the pipeline.
         stage, pipeline_step = pipeline_run.build_pipeline(model, optimizer, distribution,
                                                            sequence_length)
-        report.info(pipeline_run.describe(stage, distribution.layout, distribution.zero_stage))
+        report.info(pipeline_run.describe(stage, distribution.state))
         if pipeline_step.zero is not None:
             report.info(loop.state_line(stage, distribution, pipeline_step.zero))
 
@@ -235,6 +237,7 @@ def train(train_config, model_overrides, distribution):
             accumulation_steps=train_config.accumulation_steps,
             towers=towers,
             zero=zero,
+            compute_delay=sum(callback.compute_delay() for callback in callbacks),
         )
 
     # Data: each worker reads its own part, in an order fixed by the seed
@@ -272,6 +275,7 @@ def train(train_config, model_overrides, distribution):
             train_config, distribution, report, model=model, optimizer=optimizer, step=step,
             joining=joining, build_train_step=build_train_step, train_batches=train_batches,
             run_files=run_files, tokenizer_path=tokenizer_path, sequence_length=sequence_length,
+            callbacks=callbacks,
         )
         return _validate(task, train_config, distribution, report, model, zero, model_config,
                          metrics, int(step.numpy()))
@@ -343,7 +347,8 @@ def train(train_config, model_overrides, distribution):
         global_batch=global_batch,
         sequence_length=sequence_length,
         perplexity=True,
-        after_step=(lambda done: data_cursor.assign_add(global_batch)) if global_order else None,
+        callbacks=[*callbacks, *([loop.EachStep(lambda done: data_cursor.assign_add(global_batch))]
+                                 if global_order else [])],
     )
     # The training input is done with: its teardown must not hold up the end.
     checkpointer.track_input(None)
@@ -397,8 +402,9 @@ def _validate(task, train_config, distribution, report, model, zero, model_confi
 
 
 def _train_elastic(train_config, distribution, report, *, model, optimizer, step, joining,
-                   build_train_step, train_batches, run_files, tokenizer_path, sequence_length):
-    """Checkpoints and loop of an elastic run (`tfgpt.training.elastic`); returns the last metrics.
+                   build_train_step, train_batches, run_files, tokenizer_path, sequence_length,
+                   callbacks):
+    """Checkpoints and loop of an elastic run (`tfgpt.resilience.elastic`); returns the last metrics.
 
     The chief resumes from disk (`--resume`) and writes the run files
     naming the job; the first formation's sync gives every worker its
@@ -426,5 +432,5 @@ def _train_elastic(train_config, distribution, report, *, model, optimizer, step
         build_train_step=build_train_step,
         build_batches=lambda cursor: batches_naming_bad_shards(
             train_batches(train_config.seed, cursor=cursor), train_config.data, "train"),
-        checkpointer=checkpointer, sequence_length=sequence_length,
+        checkpointer=checkpointer, sequence_length=sequence_length, callbacks=callbacks,
     )

@@ -37,12 +37,12 @@ collective's output is used (a pruned collective would leave its peers
 waiting).
 
 Under tensor or pipeline parallelism, or both (stage 1), the shards are
-cut over the data group (`tfgpt.distributed.layout`): the ranks that hold
+cut over the data group (`tfgpt.parallel.state`): the ranks that hold
 the same tensor slice of the same pipeline stage, one per data replica;
 N is then the data replicas, and every collective runs on the data
 group's process set. A tensor-parallel model's global norm adds its
 slices' squares over the tensor group; a pipeline stage's step
-(`tfgpt.distributed.pipeline_executor`) shards only the stage's
+(`tfgpt.parallel.pipeline_executor`) shards only the stage's
 variables and gives `apply` the norm over every stage (and slice).
 
 Example (under `horovodrun -np 2`):
@@ -56,12 +56,14 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfgpt.distributed.horovod_bridge import gradient_buckets
+from tfgpt.layers.transformer_block import TransformerBlock
+from tfgpt.parallel.horovod_bridge import gradient_buckets
+from tfgpt.parallel.tensor_parallel import split_rules
 
 STAGES = (0, 1, 2, 3)
 
 # The optimizer slots that are sharded with their variables: AdamW's and
-# LAMB's first and second moments (`tfgpt.training.optimizers`), by the
+# LAMB's first and second moments (`tfgpt.optim.optimizers`), by the
 # attribute that lists them in variable order.
 SLOTS = {"momentum": "_momentums", "velocity": "_velocities"}
 
@@ -162,18 +164,16 @@ class ZeroSharding:
         self.model = model
         self.optimizer = optimizer
         self._hvd = distribution._hvd
-        layout = getattr(distribution, "layout", None)
         # This rank's place in its data group, and the group's collectives.
-        self.rank = distribution.rank if layout is None else layout.data_index
+        self.rank = distribution.state.data_index
         self.size = distribution.size
-        process_set = getattr(distribution, "data_process_set", None)
+        process_set = distribution.data_process_set
         self._where = {} if process_set is None else {"process_set": process_set}
         self.bucket_bytes = distribution.bucket_bytes
         self.variables = list(model.trainable_variables if variables is None else variables)
         # Tensor parallelism: which variables are slices, for the global norm.
         self.tensor_slice = getattr(model, "tensor_slice", None)
         if self.tensor_slice is not None:
-            from tfgpt.distributed.tensor_parallel import split_rules
 
             rules = split_rules(model)
             self._split = [id(variable) in rules for variable in self.variables]
@@ -327,7 +327,6 @@ class ZeroSharding:
     # --- stage 3: weights that exist only while they are used -----------------------
 
     def _install_gathers(self):
-        from tfgpt.layers.transformer_block import TransformerBlock
 
         index_of = {id(variable): index for index, variable in enumerate(self.variables)}
         in_blocks = set()

@@ -13,12 +13,12 @@ Horovod 0.28.1's own Keras integration predates Keras 3 and is not usable:
   Keras 3 has.
 
 This module replaces all of them, using only `horovod.tensorflow` through a
-`tfgpt.distributed` distribution object (`HorovodDistribution` by default):
+`tfgpt.parallel` distribution object (`HorovodDistribution` by default):
 
     import keras
-    from tfgpt.distributed.horovod_bridge import HorovodDistribution
-    from tfgpt.distributed import keras_horovod
-    from tfgpt.training.schedules import WarmupDecay
+    from tfgpt.parallel.horovod_bridge import HorovodDistribution
+    from tfgpt.parallel import keras_horovod
+    from tfgpt.optim.schedules import WarmupDecay
 
     distribution = HorovodDistribution()          # hvd.init()
     distribution.configure_devices()
@@ -63,7 +63,7 @@ trainer (`train_hvd.py --xla`), which compiles the gradient computation and
 averages outside the cluster.
 
 Learning rate: Horovod's `LearningRateWarmupCallback` ramps the rate up to
-`size` times the single-worker rate. `tfgpt.training.schedules.WarmupDecay`
+`size` times the single-worker rate. `tfgpt.optim.schedules.WarmupDecay`
 with `peak = base_rate * distribution.size`, as the inner optimizer's
 `learning_rate`, does the same from step 0 and then decays; it is a function
 of `optimizer.iterations`, which is identical on every rank, so no callback
@@ -92,13 +92,15 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfgpt.parallel import refusals
+
 
 @functools.lru_cache(maxsize=None)
 def _default_distribution():
     # One HorovodDistribution (one hvd.init()) per process, created on first
     # use, so that deserializing a DistributedOptimizer or constructing the
     # callbacks does not start Horovod in a process that never trains.
-    from tfgpt.distributed.horovod_bridge import HorovodDistribution
+    from tfgpt.parallel.horovod_bridge import HorovodDistribution
 
     return HorovodDistribution()
 
@@ -158,7 +160,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             the weights. (Under `mixed_float16`, `compile()` wraps this
             wrapper in a `LossScaleOptimizer`, which `BroadcastInitialState`
             refuses; see the module docstring.)
-        distribution: optional `tfgpt.distributed` object with
+        distribution: optional `tfgpt.parallel` object with
             `allreduce_gradients` (default: the process's
             `HorovodDistribution`, created on first use). Pass
             `HorovodDistribution(compression="fp16")` to halve the traffic.
@@ -175,12 +177,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
                 "`optimizer` must be a keras.optimizers.Optimizer. "
                 f"Received: optimizer={optimizer!r}"
             )
-        if getattr(distribution, "zero_stage", 0):
-            raise ValueError(
-                "model.fit averages whole gradients on every worker; --zero-stage "
-                f"{distribution.zero_stage} (sharded state) needs train_hvd.py or "
-                "finetune_hvd.py under horovodrun"
-            )
+        if distribution is not None:
+            refusals.check(refusals.Run.of(distribution.state, command="fit"))
         if isinstance(optimizer, DistributedOptimizer):
             raise ValueError(
                 "`optimizer` is already a DistributedOptimizer; wrapping it again "
@@ -296,7 +294,7 @@ def check_model(model):
         )
     if not isinstance(optimizer, DistributedOptimizer):
         raise ValueError(
-            "The model's optimizer must be a tfgpt.distributed.keras_horovod."
+            "The model's optimizer must be a tfgpt.parallel.keras_horovod."
             "DistributedOptimizer, or the ranks' gradients are not averaged and "
             "their weights drift apart (horovod.tensorflow.keras.DistributedOptimizer "
             f"does not average under Keras 3). Received: optimizer={optimizer!r}"
@@ -320,7 +318,7 @@ class BroadcastInitialState(keras.callbacks.Callback):
     `Variable.ref()`, which Keras 3 variables do not have.
 
     Args:
-        distribution: optional `tfgpt.distributed` object with
+        distribution: optional `tfgpt.parallel` object with
             `broadcast_variables` (default: the process's
             `HorovodDistribution`). The root is rank 0.
 
@@ -351,7 +349,7 @@ def average_logs(logs, distribution=None):
 
     Args:
         logs: dict of str to number.
-        distribution: optional `tfgpt.distributed` object with
+        distribution: optional `tfgpt.parallel` object with
             `allreduce_mean` (default: the process's `HorovodDistribution`).
 
     Returns:
@@ -392,7 +390,7 @@ class AverageMetrics(keras.callbacks.Callback):
     `keras.backend.constant`, which Keras 3 removed.
 
     Args:
-        distribution: optional `tfgpt.distributed` object with
+        distribution: optional `tfgpt.parallel` object with
             `allreduce_mean` (default: the process's `HorovodDistribution`).
 
     Example (under `horovodrun -np 2`; before the callbacks that read logs):
@@ -420,7 +418,7 @@ def rank_zero_only(callbacks, distribution=None):
 
     Args:
         callbacks: list of keras.callbacks.Callback.
-        distribution: optional `tfgpt.distributed` object with `is_chief`
+        distribution: optional `tfgpt.parallel` object with `is_chief`
             (default: the process's `HorovodDistribution`).
 
     Example:

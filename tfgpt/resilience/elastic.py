@@ -42,10 +42,11 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfgpt.training import faults, loop
 from tfgpt.checkpoint import read_config
 from tfgpt.checkpoint.files import Reader
-from tfgpt.training.optimizers import set_worker_count
+from tfgpt.optim.optimizers import set_worker_count
+from tfgpt.resilience import faults
+from tfgpt.training import loop
 
 # config.json's key naming the elastic job that wrote it (`joins_running_job`).
 JOB_KEY = "elastic_job"
@@ -203,7 +204,7 @@ def _logging_records(batches, directory, formation, first_step, distribution):
 
 
 def run_formations(config, options, distribution, report, *, model, optimizer, step, data_cursor,
-                   build_train_step, build_batches, checkpointer, sequence_length):
+                   build_train_step, build_batches, checkpointer, sequence_length, callbacks=()):
     """Trains to `config.steps` through every change of the world size; returns the last metrics.
 
     Args:
@@ -221,6 +222,7 @@ def run_formations(config, options, distribution, report, *, model, optimizer, s
         checkpointer: the run's `RunCheckpointer` (it asks who the chief is
             at each save).
         sequence_length: int. Tokens per sequence.
+        callbacks: the loop's other `tfgpt.training.loop.Callback`s.
     """
     state = elastic_state(model.variables + optimizer.variables + [step, data_cursor])
     record_log = os.environ.get(faults.RECORD_LOG)
@@ -251,7 +253,7 @@ def run_formations(config, options, distribution, report, *, model, optimizer, s
             config, distribution, report, model=model, optimizer=optimizer, step=step,
             train_step=build_train_step(), batches=batches, checkpointer=checkpointer,
             steps=config.steps, global_batch=records_per_step, sequence_length=sequence_length,
-            perplexity=True, after_step=after_step,
+            perplexity=True, callbacks=[*callbacks, loop.EachStep(after_step)],
         )
 
     return run(formation)(state)

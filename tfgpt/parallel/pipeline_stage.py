@@ -6,7 +6,7 @@ With tied embeddings (`tie_embeddings`, the default) the first and the
 last stage both hold the token table, one copy each: the first looks
 tokens up in it, the last projects onto it. The two copies start equal
 and stay equal because each applies the sum of both gradients
-(`tfgpt.distributed.pipeline_executor`), as one shared table would get.
+(`tfgpt.parallel.pipeline_executor`), as one shared table would get.
 
 Every rank builds the whole model from the run's seed, so each stage's
 weights start as a one-process run's do; only the stage's own variables
@@ -17,7 +17,7 @@ up to date for a checkpoint or an evaluation with the whole model.)
 
 import numpy as np
 
-from tfgpt.distributed.pipeline_partition import partition_blocks
+from tfgpt.parallel.pipeline_partition import partition_blocks
 from tfgpt.training.train_step import cross_entropy
 
 
@@ -33,10 +33,10 @@ class PipelineStage:
 
     Args:
         model: a built `tfgpt.models.gpt.GPT`.
-        schedule: `tfgpt.distributed.pipeline_schedule.PipelineSchedule`.
+        schedule: `tfgpt.parallel.pipeline_schedule.PipelineSchedule`.
         rank: int. This rank's place in the pipeline (0 to stages - 1).
         partition: str. `uniform` or `balanced`
-            (`tfgpt.distributed.pipeline_partition`).
+            (`tfgpt.parallel.pipeline_partition`).
         sequence_length: int. For the `balanced` costs (attention's share).
 
     Attributes:

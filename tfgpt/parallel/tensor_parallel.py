@@ -150,23 +150,17 @@ def split_rules(model):
     return rules
 
 
-def check_run(tensor, family, model_config, config, zero_stage=0):
-    """Raises a ValueError naming the first thing of a run that `--tensor-parallel` cannot split.
+def check_sizes(tensor, model_config):
+    """Raises a ValueError naming the first size of the model that `--tensor-parallel` cannot split.
+
+    (What it does not combine with: `tfgpt.parallel.refusals`.)
 
     Args:
         tensor: int. T (1: nothing to check).
-        family: str. The model family (`gpt`, `bert`, `albert`).
         model_config: the resolved model config.
-        config: the run config (`TrainConfig`).
-        zero_stage: int. The run's `--zero-stage`.
     """
     if tensor == 1:
         return
-    if family != "gpt":
-        raise ValueError(
-            f"--tensor-parallel {tensor} splits GPT models only; --preset {config.preset} is "
-            f"a {family} model (its bidirectional attention, embeddings and heads are not split)"
-        )
     for name in ("num_heads", "intermediate_dim"):
         split_rows(getattr(model_config, name), tensor, 0, name)
     if model_config.vocabulary_size % tensor:
@@ -175,20 +169,6 @@ def check_run(tensor, family, model_config, config, zero_stage=0):
             f"--tensor-parallel {tensor} must divide `vocabulary_size`. Received: "
             f"vocabulary_size={model_config.vocabulary_size}, tensor_parallel={tensor}; pad "
             f"it with --vocabulary-size {padded} (ids the tokenizer never emits)"
-        )
-    unsupported = {
-        "--xla": config.xla,  # Horovod collectives cannot run in an XLA cluster
-        "--recompute": config.recompute,
-        "--optimizer lamb": config.optimizer == "lamb",  # per-variable norms of slices
-        "--mixed-precision float16": config.mixed_precision == "float16",
-    }
-    for flag, given in unsupported.items():
-        if given:
-            raise ValueError(f"--tensor-parallel {tensor} does not combine with {flag} yet")
-    if zero_stage > 1:
-        raise ValueError(
-            f"--tensor-parallel {tensor} does not combine with --zero-stage {zero_stage}: use "
-            "--zero-stage 1, which shards each slice's optimizer state over its replicas"
         )
 
 

@@ -1,4 +1,7 @@
-"""Which rank does what in a data × pipeline × tensor parallel run.
+"""The parallel state of a run: which rank does what in data × pipeline × tensor, ZeRO's stage.
+
+Every distribution has one (`distribution.state`; one process: all ones,
+ZeRO stage 0): code asks it, not the distribution's class.
 
 `N = data * pipeline * tensor` ranks, numbered with the tensor index
 innermost, then the pipeline stage, then the data replica:
@@ -10,17 +13,18 @@ exchange activations at every layer) is `tensor` consecutive ranks, the
 ones most likely to share a machine. A data group is the ranks with the
 same pipeline stage and tensor slice, one per data replica: the ranks that
 average their gradients. Importing this module does not import TensorFlow
-or Horovod; `ParallelLayout.process_sets` builds the Horovod process sets.
+or Horovod; `ParallelState.process_sets` builds the Horovod process sets.
 """
 
 import dataclasses
 
-from tfgpt.config.checks import require_positive_int
+from tfgpt.config.checks import require_one_of, require_positive_int
+from tfgpt.config.distribution import ZERO_STAGES
 
 
 @dataclasses.dataclass(frozen=True)
-class ParallelLayout:
-    """The rank layout of a run: `size` ranks as data × pipeline × tensor.
+class ParallelState:
+    """The parallel state of a run: `size` ranks as data × pipeline × tensor, and ZeRO's stage.
 
     Args:
         size: int. Ranks in the run (`horovodrun -np N`).
@@ -30,24 +34,31 @@ class ParallelLayout:
             (1: every rank holds every block).
         rank: int. This process's rank: the default of the methods that
             take one, and of `data_index`, `stage` and `tensor_index`.
+        zero_stage: int. 0-3: which of the optimizer state, the gradients
+            and the weights are sharded over the data group
+            (`--zero-stage`, `tfgpt.parallel.zero`).
 
     The data-parallel size `data = size / (pipeline * tensor)` follows.
 
     Example:
-    >>> layout = ParallelLayout(size=4, tensor=2)
-    >>> layout.data, layout.tensor_group(3), layout.data_group(3)
+    >>> state = ParallelState(size=4, tensor=2)
+    >>> state.data, state.tensor_group(3), state.data_group(3)
     (2, [2, 3], [1, 3])
-    >>> ParallelLayout(size=8, pipeline=2, tensor=2, rank=5).pipeline_group()
+    >>> ParallelState(size=8, pipeline=2, tensor=2, rank=5).pipeline_group()
     [5, 7]
+    >>> ParallelState(size=1).coordinates(), ParallelState(size=1).pipelined
+    ((0, 0, 0), False)
     """
 
     size: int
     tensor: int = 1
     pipeline: int = 1
     rank: int = 0
+    zero_stage: int = 0
 
     def __post_init__(self):
         require_positive_int("size", self.size)
+        require_one_of("zero_stage", self.zero_stage, ZERO_STAGES)
         require_positive_int("tensor_parallel", self.tensor)
         require_positive_int("pipeline_parallel", self.pipeline)
         if self.size % (self.tensor * self.pipeline):
@@ -62,6 +73,11 @@ class ParallelLayout:
     def data(self):
         """Data-parallel replicas: the ranks that read different batches."""
         return self.size // (self.tensor * self.pipeline)
+
+    @property
+    def pipelined(self):
+        """Whether the model is cut into pipeline stages (`--pipeline-parallel` above 1)."""
+        return self.pipeline > 1
 
     @property
     def data_index(self):

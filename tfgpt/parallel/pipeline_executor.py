@@ -25,7 +25,7 @@ first wait for each other for ever.)
 
 One exchange is one Horovod cycle: `HOROVOD_CYCLE_TIME` (10 ms in
 tfgpt's data-parallel runs) bounds how fast ticks go, and pipeline runs
-lower it to 1 ms (`tfgpt.distributed.horovod_bridge`).
+lower it to 1 ms (`tfgpt.parallel.horovod_bridge`).
 """
 
 import contextlib
@@ -33,9 +33,9 @@ import time
 
 import tensorflow as tf
 
-from tfgpt.distributed.pipeline_schedule import BACKWARD, FORWARD
-from tfgpt.distributed.tensor_parallel import split_rules
 from tfgpt.graph_function import graph_function
+from tfgpt.parallel.pipeline_schedule import BACKWARD, FORWARD
+from tfgpt.parallel.tensor_parallel import split_rules
 from tfgpt.training.train_step import STEP_TIMES, _dense
 
 
@@ -55,13 +55,13 @@ class PipelineTrainStep:
     one slice: the hidden states they exchange are whole.)
 
     Args:
-        stage: `tfgpt.distributed.pipeline_stage.PipelineStage` of this rank.
+        stage: `tfgpt.parallel.pipeline_stage.PipelineStage` of this rank.
         optimizer: keras optimizer built on `stage.trainable_variables`.
         pipeline_set: Horovod process set of this rank's pipeline, ranks in
             stage order.
         data_set: Horovod process set of this stage's data-parallel
             replicas, or None without data parallelism.
-        zero: `tfgpt.distributed.zero.ZeroSharding` of the stage's
+        zero: `tfgpt.parallel.zero.ZeroSharding` of the stage's
             variables over `data_set` (`--zero-stage 1`), or None: the
             accumulated gradients are then reduce-scattered over the
             replicas instead of averaged, and each rank updates its shards.

@@ -12,6 +12,8 @@ find out from the tokens/s.
 
 import platform
 
+from tfgpt.kernels.build import cpu_features
+
 # /proc/cpuinfo flags under which oneDNN runs bfloat16 matmuls natively.
 NATIVE_BFLOAT16 = ("avx512_bf16", "amx_bf16")
 
@@ -36,7 +38,6 @@ def slow_precision_warning(mixed_precision, features=None, machine=None, has_gpu
     if machine not in ("x86_64", "AMD64"):
         return None
     if features is None:
-        from tfgpt.kernels.build import cpu_features
 
         features = cpu_features()
     if not features or any(flag in features for flag in NATIVE_BFLOAT16):

@@ -44,11 +44,11 @@ class Reporter:
         """Logs `metrics` (name -> float) at `step`: one console line, one JSON line.
 
         `details` (JSON-serialisable) goes into the JSON line; its
-        `workers` rows (`tfgpt.training.monitor.window_figures`: one dict
+        `workers` rows (`tfgpt.observe.monitor.window_figures`: one dict
         per worker with its `rank`) also go to TensorBoard, as
         `<prefix>/worker_<rank>/<figure>`, so one rank's CPU, memory or
         time split can be plotted beside the others'. The `time_<part>` shares
-        (`tfgpt.training.monitor`) are one console field, in percent:
+        (`tfgpt.observe.monitor`) are one console field, in percent:
         `time data/compute/communication/other 1/80/6/13%`.
         """
         if not self.is_chief:

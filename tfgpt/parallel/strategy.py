@@ -6,8 +6,9 @@ import os
 import tensorflow as tf
 
 from tfgpt.config.distribution import STRATEGIES, StrategyOptions
-from tfgpt.distributed.cpu_threads import configure_cpu_threads, resolve_towers
-from tfgpt.distributed.local import LocalDistribution, device_settings
+from tfgpt.parallel.cpu_threads import configure_cpu_threads, resolve_towers
+from tfgpt.parallel.local import LocalDistribution, device_settings
+from tfgpt.parallel.state import ParallelState
 
 
 def make_strategy(name):
@@ -65,7 +66,7 @@ class StrategyDistribution(LocalDistribution):
         `TF_CONFIG`) split its cores, as Horovod's ranks do;
         `logical_cpus` > 1 splits the CPU into that many replicas. The
         towers each replica runs are chosen from `config`
-        (`tfgpt.distributed.cpu_threads.resolve_towers`; 0 chooses).
+        (`tfgpt.parallel.cpu_threads.resolve_towers`; 0 chooses).
         `HorovodDistribution.create(options, config)` is built the same way.
         """
         options = options or StrategyOptions()
@@ -95,6 +96,8 @@ class StrategyDistribution(LocalDistribution):
         task_id = resolver.task_id if resolver is not None and resolver.task_type else 0
         self.rank = int(task_id or 0)
         self.is_chief = self.rank == 0
+        # Each worker holds the whole model; its replicas are in-process.
+        self.state = ParallelState(size=self.num_workers, rank=self.rank)
 
     def scope(self):
         return self.strategy.scope()

@@ -26,11 +26,12 @@ import tensorflow as tf
 
 from tfgpt.config.distribution import HorovodOptions
 from tfgpt.config.training import ALLREDUCE_BUCKET_MB
-from tfgpt.distributed.cpu_threads import configure_cpu_threads, resolve_towers
-from tfgpt.distributed.layout import ParallelLayout
-from tfgpt.distributed.local import LocalDistribution, device_settings
-from tfgpt.distributed.tensor_parallel import TensorSlice, slice_scope
 from tfgpt.graph_function import graph_function
+from tfgpt.parallel import shared_memory
+from tfgpt.parallel.cpu_threads import configure_cpu_threads, resolve_towers
+from tfgpt.parallel.local import LocalDistribution, device_settings
+from tfgpt.parallel.state import ParallelState
+from tfgpt.parallel.tensor_parallel import TensorSlice, slice_scope
 
 _COMPRESSIONS = ("none", "fp16")
 
@@ -59,7 +60,6 @@ def default_cycle_time(options, environ=os.environ):
     1 ms for a pipeline, 50 with the shared-memory average in prospect (the
     world as horovodrun's environment describes it, before Horovod starts),
     10 otherwise."""
-    from tfgpt.distributed import shared_memory
 
     if options.pipeline_parallel > 1:
         return _PIPELINE_CYCLE_TIME_MS
@@ -118,12 +118,14 @@ class HorovodDistribution(LocalDistribution):
             gradients would wait for the whole backward pass. The default,
             3 MB, cuts gpt-mini's 46 MB (76 gradients) into 10 buckets.
         tensor_parallel: int. T: consecutive ranks that split each block
-            (`tfgpt.distributed.tensor_parallel`); must divide the ranks.
+            (`tfgpt.parallel.tensor_parallel`); must divide the ranks.
+        pipeline_parallel: int. P: pipeline stages.
+        zero_stage: int. ZeRO's stage, 0-3 (`tfgpt.parallel.zero`).
 
     Each process is one worker with one replica: `scope()`, `run()` and
     `distribute_dataset()` are the single-process ones, with this rank's
     part of the data. With `tensor_parallel` T > 1, the N ranks are laid
-    out as `layout` (`tfgpt.distributed.layout.ParallelLayout`): `size` is
+    out as `state` (`tfgpt.parallel.state.ParallelState`): `size` is
     the N / T data-parallel replicas, the ranks of a tensor group read the
     same batches, gradients are averaged over the data group only, and
     models built in `scope()` hold this rank's `tensor_slice`.
@@ -135,7 +137,7 @@ class HorovodDistribution(LocalDistribution):
     """
 
     def __init__(self, compression="none", bucket_mb=ALLREDUCE_BUCKET_MB, tensor_parallel=1,
-                 pipeline_parallel=1):
+                 pipeline_parallel=1, zero_stage=0):
         if compression not in _COMPRESSIONS:
             raise ValueError(
                 f"`compression` must be one of {_COMPRESSIONS}. "
@@ -165,6 +167,7 @@ class HorovodDistribution(LocalDistribution):
         hvd.init()
         self._tensor_parallel = tensor_parallel
         self._pipeline_parallel = pipeline_parallel
+        self._zero_stage = zero_stage
         self.read_world()
         self._compression = (
             hvd.Compression.fp16 if compression == "fp16" else hvd.Compression.none
@@ -182,17 +185,18 @@ class HorovodDistribution(LocalDistribution):
         self.rank = hvd.rank()
         self.num_workers = hvd.size()
         tensor_parallel = self._tensor_parallel  # --elastic refuses T, P > 1
-        self.layout = ParallelLayout(hvd.size(), tensor=tensor_parallel,
-                                     pipeline=self._pipeline_parallel, rank=self.rank)
-        self.size = self.layout.data
+        self.state = ParallelState(hvd.size(), tensor=tensor_parallel,
+                                   pipeline=self._pipeline_parallel, rank=self.rank,
+                                   zero_stage=self._zero_stage)
+        self.size = self.state.data
         self._data_set = None
         if tensor_parallel > 1 or self._pipeline_parallel > 1:
-            sets = self.layout.process_sets(hvd)
+            sets = self.state.process_sets(hvd)
             self._data_set = self.data_process_set = sets["data"]
             self.pipeline_process_set = sets["pipeline"]
             if tensor_parallel > 1:
                 self.tensor_slice = TensorSlice(hvd, sets["tensor"], tensor_parallel,
-                                                self.layout.tensor_index)
+                                                self.state.tensor_index)
         self.local_rank = hvd.local_rank()
         self.local_size = hvd.local_size()
         self.is_chief = self.rank == 0
@@ -217,15 +221,15 @@ class HorovodDistribution(LocalDistribution):
             bucket_mb=options.allreduce_bucket_mb,
             tensor_parallel=options.tensor_parallel,
             pipeline_parallel=options.pipeline_parallel,
+            zero_stage=options.zero_stage,
         )
         distribution.configure_devices(**device_settings(config))
         distribution.options = options
-        distribution.zero_stage = options.zero_stage
         distribution.choose_transport(options)
         return distribution
 
     # Averages the float32 gradients of a step when not None
-    # (`tfgpt.distributed.shared_memory`); `averaging` says how, for the
+    # (`tfgpt.parallel.shared_memory`); `averaging` says how, for the
     # start-up line.
     _shared = None
     _shared_required = False
@@ -238,7 +242,6 @@ class HorovodDistribution(LocalDistribution):
         Raises:
             ValueError: `shared-memory` asked for where it cannot work.
         """
-        from tfgpt.distributed import shared_memory
 
         if options.allreduce_transport == "horovod":
             return
@@ -264,7 +267,7 @@ class HorovodDistribution(LocalDistribution):
 
     def data_shard(self):
         """`(data replica, replicas)`: a tensor group and a pipeline read one replica's batches."""
-        return self.layout.coordinates(self.rank)[0], self.layout.data
+        return self.state.coordinates(self.rank)[0], self.state.data
 
     # With a pipeline: the Horovod process set of this rank's pipeline, ranks
     # in stage order, and that of the replicas of its stage (None with one
@@ -277,7 +280,7 @@ class HorovodDistribution(LocalDistribution):
         stage `stage` of this rank's pipeline."""
         # One eager broadcast per variable: `hvd.broadcast_variables` wraps
         # them in a tf.function that fails to find an added process set.
-        root = self.layout.pipeline_group()[stage]
+        root = self.state.pipeline_group()[stage]
         for index, variable in enumerate(variables):
             variable.assign(self._hvd.broadcast(
                 variable.value, root_rank=root, name=f"pipeline_stage_{stage}_{index}",
@@ -288,7 +291,7 @@ class HorovodDistribution(LocalDistribution):
         """Pins one GPU per local rank; splits CPU cores among local ranks.
 
         `towers`, `batch_size` and `xla` choose how many towers this
-        worker runs (`tfgpt.distributed.cpu_threads.resolve_towers`; 0
+        worker runs (`tfgpt.parallel.cpu_threads.resolve_towers`; 0
         chooses) and its threads are split for them; the choice is kept in
         `self.towers`. Must run before TensorFlow executes its first op.
         """
@@ -318,7 +321,7 @@ class HorovodDistribution(LocalDistribution):
 
         With the shared-memory transport (`choose_transport`) the float32
         gradients are averaged instead in one call after the backward pass
-        (`tfgpt.distributed.shared_memory`).
+        (`tfgpt.parallel.shared_memory`).
 
         One worker's gradients are their own average: they are returned
         as they are, without Horovod, whose background thread would hold
@@ -365,7 +368,7 @@ class HorovodDistribution(LocalDistribution):
                 raise
             self._shared = None
             self.averaging = f"Horovod allreduce ({error})"
-            logging.getLogger("tfgpt.distributed").warning(
+            logging.getLogger("tfgpt.parallel").warning(
                 "%s: averaging through Horovod, at HOROVOD_CYCLE_TIME %s ms (10 suits it "
                 "better)", error, os.environ.get("HOROVOD_CYCLE_TIME"))
             return self._average_with_horovod(gradients)
@@ -412,8 +415,8 @@ class HorovodDistribution(LocalDistribution):
                                 for value, weight in zip(values, weights)])
         tensor_set = self.tensor_slice.process_set if self.tensor_slice is not None else None
         for kind, group, process_set in (
-                ("tensor group", self.layout.tensor_group(), tensor_set),
-                ("pipeline", self.layout.pipeline_group(), self.pipeline_process_set)):
+                ("tensor group", self.state.tensor_group(), tensor_set),
+                ("pipeline", self.state.pipeline_group(), self.pipeline_process_set)):
             if process_set is None:
                 continue
             prints = self._hvd.allgather(tf.reshape(fingerprint, [1]),
@@ -448,7 +451,7 @@ class HorovodDistribution(LocalDistribution):
             return
         if self._data_set is None:
             return  # one replica: nothing to agree on
-        first = self.layout.data_group(self.rank)[0] == self.rank
+        first = self.state.data_group(self.rank)[0] == self.rank
         by_dtype = {}  # a grouped allreduce takes one dtype
         for variable in tf_variables:
             by_dtype.setdefault(variable.dtype, []).append(variable)

@@ -4,6 +4,8 @@ import contextlib
 
 import tensorflow as tf
 
+from tfgpt.parallel.state import ParallelState
+
 
 class LocalDistribution:
     """One worker, one replica; nothing to average or broadcast.
@@ -12,8 +14,9 @@ class LocalDistribution:
     `rank`, `size` (replicas in sync), `is_chief`, `scope()`,
     `distribute_dataset(fn)`, `run(fn, batch)`, `allreduce_gradients`,
     `allreduce_mean`, `broadcast_variables`, `configure_optimizer`,
-    `data_shard()`, `tensor_slice` (None, or this rank's
-    `tfgpt.distributed.tensor_parallel.TensorSlice`) and
+    `data_shard()`, `state` (the `tfgpt.parallel.state.ParallelState`:
+    sizes, this rank's coordinates, ZeRO's stage), `tensor_slice` (None, or this rank's
+    `tfgpt.parallel.tensor_parallel.TensorSlice`) and
     `towers` (how many slices of each batch the step runs side by side).
     Front ends build theirs with `create(options, config)`.
     """
@@ -24,15 +27,12 @@ class LocalDistribution:
     local_rank = 0
     local_size = 1
     is_chief = True
-    # Concurrent slices of each batch (tfgpt.distributed.cpu_threads).
+    # Concurrent slices of each batch (tfgpt.parallel.cpu_threads).
     towers = 1
-    # ZeRO stage (Horovod's --zero-stage; tfgpt.distributed.zero): 0, nothing sharded.
-    zero_stage = 0
     # This rank's slice of the blocks under tensor parallelism; None: whole.
     tensor_slice = None
-    # Horovod's data x pipeline layout (`tfgpt.distributed.layout`);
-    # None: every replica holds the whole model.
-    layout = None
+    # One rank, the whole model, nothing sharded.
+    state = ParallelState(size=1)
     # The front end's options (`tfgpt.config.distribution`) it was created
     # with; written into the run's config.json beside the run config.
     options = None

@@ -24,7 +24,7 @@ class LAMB(keras.optimizers.Optimizer):
     matches `exclude_pattern` (biases, norms, embeddings by default) get
     neither weight decay nor layer adaptation, as there.
 
-    Sharded (ZeRO, `tfgpt.distributed.zero`), each rank holds some rows of
+    Sharded (ZeRO, `tfgpt.parallel.zero`), each rank holds some rows of
     every variable: the trust ratio still needs the norms of the whole
     weight and the whole update. `norm_sum`, when set, sums a vector over
     the ranks: the update then computes every variable's partial sums of

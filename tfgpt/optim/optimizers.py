@@ -2,9 +2,9 @@
 
 import keras
 
-from tfgpt.training.fused_adamw import FusedAdamW
-from tfgpt.training.lamb import LAMB
-from tfgpt.training.schedules import WarmupDecay
+from tfgpt.optim.fused_adamw import FusedAdamW
+from tfgpt.optim.lamb import LAMB
+from tfgpt.optim.schedules import WarmupDecay
 
 # Weight decay regularises matrices; decaying norms, biases and embeddings
 # hurts (Loshchilov & Hutter 2019; GPT-2 and nanoGPT exclude them too).

@@ -35,12 +35,14 @@ import secrets
 
 import tensorflow as tf
 
+from tfgpt import kernels
+
 SEGMENT_DIRECTORY = "/dev/shm"
 # A peer that is alive but has not arrived for this long ends the step: far
 # longer than any step, checkpoint or validation pass makes a peer wait.
 TIMEOUT_SECONDS = 1800.0
 
-_logger = logging.getLogger("tfgpt.distributed")
+_logger = logging.getLogger("tfgpt.parallel")
 
 
 def unavailable_reason(options, num_workers, local_size, gpus):
@@ -69,7 +71,6 @@ def unavailable_reason(options, num_workers, local_size, gpus):
             return f"{flag} averages through Horovod"
     if not os.path.isdir(SEGMENT_DIRECTORY):
         return f"no {SEGMENT_DIRECTORY}"
-    from tfgpt import kernels
 
     if kernels.library() is None:
         return f"tfgpt's kernel library is unavailable ({kernels.unavailable_reason()})"
@@ -101,7 +102,6 @@ class SharedMemoryAllreduce:
     """
 
     def __init__(self, hvd, timeout_seconds=TIMEOUT_SECONDS):
-        from tfgpt import kernels
 
         self._hvd = hvd
         self._library = kernels.library()

@@ -14,7 +14,7 @@ most one operation per tick, and what a tick produces (an activation for
 the next virtual stage, a gradient for the previous one) is exchanged
 after it, so that it can be used from the next tick on. Each rank runs
 its next operation at the first tick its inputs are there. Nothing in
-this module imports TensorFlow; `tfgpt.distributed.pipeline_executor`
+this module imports TensorFlow; `tfgpt.parallel.pipeline_executor`
 runs a timetable.
 
 The three programs:

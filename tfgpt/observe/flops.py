@@ -33,8 +33,8 @@ import time
 
 import tensorflow as tf
 
-from tfgpt.distributed.tensor_parallel import whole_parameters
 from tfgpt.graph_function import graph_function
+from tfgpt.parallel.tensor_parallel import whole_parameters
 
 
 def matmul_parameters(model):
@@ -73,7 +73,7 @@ def measure_matmul_peak(dtype="float32", towers=1, sizes=(1024, 2048), seconds=2
 
     A worker with K towers runs K independent chains of ops in one graph,
     each op on its intra-op threads (threads / K,
-    `tfgpt.distributed.cpu_threads.configure_cpu_threads`). The peak is
+    `tfgpt.parallel.cpu_threads.configure_cpu_threads`). The peak is
     measured the same way: K independent chains of `size` x `size`
     matmuls in one `tf.function`, on the current threading settings. One
     chain on one tower's threads would measure a fraction of the worker

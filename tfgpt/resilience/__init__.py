@@ -1,0 +1,1 @@
+"""Runs that survive faults: elastic training and test-only fault injection."""
