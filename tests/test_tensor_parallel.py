@@ -135,22 +135,27 @@ def test_tensor_parallel_training_matches_one_process(tmp_path):
     cases = {
         "tp2-clip": (2, ["--clip", "0.5"]),  # TP2: the clipping needs the global gradient norm
         "tp2-untied": (2, ["--untied"]),  # a vocabulary-parallel lm_head of its own
+        # GPT-J's shape: rotary, a parallel residual, a split head bias, no attention biases.
+        "tp2-gptj": (2, ["--gptj"]),
         "tp2-dp2-clip": (4, ["--clip", "0.5"]),  # TP2 x DP2: gradients averaged over the data groups
     }
     oracles = run_each(TRAIN_SCRIPT, tmp_path, 0, [("one-clip", "--clip", "0.5"),
-                                                   ("one-untied", "--untied")])
+                                                   ("one-untied", "--untied"),
+                                                   ("one-gptj", "--gptj")])
     runs = run_each(TRAIN_SCRIPT, tmp_path, 2, [
         (tag, "--tensor", "2", *flags) for tag, (ranks, flags) in cases.items() if ranks == 2])
     runs.update(run_each(TRAIN_SCRIPT, tmp_path, 4, [
         (tag, "--tensor", "2", *flags) for tag, (ranks, flags) in cases.items() if ranks == 4]))
     for tag, (ranks, flags) in cases.items():
-        oracle = oracles["one-untied" if "--untied" in flags else "one-clip"][0]
+        oracle = oracles[{"--untied": "one-untied", "--gptj": "one-gptj"}.get(
+            flags[0], "one-clip")][0]
         results = runs[tag]
         assert len(results) == ranks
-        # Split: per block the heads' projections in and out (3 variables), the
-        # MLP's (3); the token embedding, and an untied lm_head.
+        # Split: per block the heads' projections in and out (3 variables, 2
+        # without attention biases), the MLP's (3); the token embedding, and
+        # an untied lm_head (with GPT-J's bias, 2).
         split = len([key for key in results[0] if key.startswith("rule_")])
-        assert split == 2 * 6 + 1 + ("--untied" in flags), tag
+        assert split == {"--untied": 2 * 6 + 2, "--gptj": 2 * 5 + 3}.get(flags[0], 2 * 6 + 1), tag
         for result in results:
             np.testing.assert_allclose(result["losses"], oracle["losses"], rtol=0, atol=1e-5,
                                        err_msg=tag)

@@ -31,6 +31,8 @@ def _check(tensor=2, model=None):
      r"--tensor-parallel 2 must divide `intermediate_dim`. Received: intermediate_dim=47"),
     ({"vocabulary_size": 301},
      r"must divide `vocabulary_size`. Received: vocabulary_size=301.*--vocabulary-size 302"),
+    ({"num_heads": 4, "num_key_value_heads": 1},
+     r"--tensor-parallel 2 must divide `num_key_value_heads`. Received: num_key_value_heads=1"),
 ])
 def test_a_size_the_tensor_parallel_degree_does_not_divide_is_refused(model, match):
     with pytest.raises(ValueError, match=match):

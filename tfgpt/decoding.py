@@ -192,9 +192,10 @@ def decode(
 
     if use_cache:
         # One (key, value) pair per layer: each step updates them in place
-        # (under XLA) instead of re-stacking a (B, L, 2, H, S, D) tensor.
-        head_dim = model.hidden_dim // model.num_heads
-        empty = tf.zeros([batch_size, model.num_heads, total, head_dim], model.compute_dtype)
+        # (under XLA) instead of re-stacking a (B, L, 2, KV, S, D) tensor.
+        config = model.config
+        empty = tf.zeros([batch_size, config.key_value_heads, total, config.key_width],
+                         model.compute_dtype)
         cache = [(empty, empty) for _ in range(model.num_layers)]
         logits, cache = model(
             token_ids,

@@ -24,6 +24,7 @@ from tfgpt.checkpoint import (
 )
 from tfgpt.config import GPTConfig
 from tfgpt.convert import load_gpt2_checkpoint
+from tfgpt.convert_decoders import ARCHITECTURES, load_hf_decoder
 from tfgpt.models.gpt import GPT
 from tfgpt.tokenizers import check_tokenizer_matches_model
 from tfgpt.tokenizers.byte_pair_tokenizer import BytePairTokenizer
@@ -33,24 +34,26 @@ def load_model(directory, dtype=None):
     """Returns `(model, tokenizer)` restored from `directory`.
 
     Args:
-        directory: str. A tfgpt run directory or a GPT-2 checkpoint directory.
+        directory: str. A tfgpt run directory, or a transformers GPT-2,
+            Llama, Mistral or Qwen2 checkpoint directory.
         dtype: optional Keras dtype policy for the model, e.g.
             `"mixed_bfloat16"`; float32 by default.
 
     Returns:
         The GPT with its weights, and the tokenizer (`pipelines.tokenizer.
         Tokenizer` or `BytePairTokenizer`), or None when the directory has no
-        tokenizer file.
+        tokenizer file (Llama, Mistral and Qwen2 tokenizers are not read yet).
     """
     config = _read_json(directory, CONFIG_FILE)
     if config.get("model_type") == "gpt2":
-
         return load_gpt2_checkpoint(directory, dtype=dtype)
+    if config.get("model_type") in ARCHITECTURES:
+        return load_hf_decoder(directory, dtype=dtype), None
     if not isinstance(config.get("model"), dict):
         raise ValueError(
             f"{os.path.join(directory, CONFIG_FILE)} is neither a tfgpt run config "
-            "(a 'model' section with the GPTConfig fields) nor a GPT-2 config "
-            f"(model_type 'gpt2'). Received keys: {sorted(config)}"
+            "(a 'model' section with the GPTConfig fields) nor a transformers decoder's "
+            f"(model_type gpt2, {', '.join(ARCHITECTURES)}). Received keys: {sorted(config)}"
         )
     model_config = GPTConfig(**config["model"])
     model = GPT(**dataclasses.asdict(model_config), dtype=dtype)

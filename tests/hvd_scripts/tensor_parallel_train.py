@@ -58,6 +58,9 @@ def main(argv=None):
     parser.add_argument("--untied", action="store_true")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--zero-stage", type=int, default=0)
+    parser.add_argument("--gptj", action="store_true",
+                        help="GPT-J's switches: parallel residual, interleaved partial rotary "
+                             "positions, no attention biases, an untied head with a bias")
     args = parser.parse_args(argv)
 
     if args.global_batch:
@@ -75,9 +78,12 @@ def main(argv=None):
     )
     keras.utils.set_random_seed(7)
     with distribution.scope():
+        gptj = dict(positions="rotary", rotary_fraction=0.5, rotary_interleaved=True,
+                    attention_bias=False, output_bias=False, residual="parallel",
+                    tie_embeddings=False, lm_head_bias=True) if args.gptj else {}
         model = GPT(vocabulary_size=VOCABULARY, num_layers=2, num_heads=4, hidden_dim=16,
                     intermediate_dim=24, max_sequence_length=LENGTH, dropout=args.dropout,
-                    tie_embeddings=not args.untied)
+                    **{"tie_embeddings": not args.untied, **gptj})
     optimizer = make_optimizer(config, 1, steps=args.steps)
     zero = None
     if args.zero_stage:

@@ -15,6 +15,7 @@ from tfgpt.config.checks import (
     require_bool,
     require_divisible,
     require_fraction,
+    require_int_at_least,
     require_one_of,
     require_positive_int,
     require_positive_number,
@@ -22,7 +23,24 @@ from tfgpt.config.checks import (
 
 # Activation names of the feed-forward layers and the masked-LM transform,
 # for the whole code base (`tfgpt.layers.activated_dense` computes them).
-ACTIVATIONS = ("gelu", "gelu_tanh", "relu")
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
+# The decoder's switches (`GPTConfig`): what each takes.
+NORMS = ("layer", "rms")
+POSITIONS = ("learned", "rotary")
+ROPE_SCALINGS = ("none", "linear", "llama3")
+FEEDFORWARDS = ("dense", "gated")
+RESIDUALS = ("sequential", "parallel", "parallel_two_norms")
+WINDOW_LAYERS = ("all", "odd")
+
+
+def _require_non_negative_int(name, value):
+    require_int_at_least(name, value, 0, "a non-negative integer (0: the default)")
+
+
+def _require_rotary_fraction(name, value):
+    require_positive_number(name, value)
+    if value > 1:
+        raise ValueError(f"`{name}` must be in (0, 1]. Received: {name}={value!r}")
 
 # How a field is checked: by its name where the name says more than its
 # type, else by its type (every int field is a positive count).
@@ -30,6 +48,20 @@ _CHECKS_BY_NAME = {
     "dropout": require_fraction,
     "layer_norm_epsilon": require_positive_number,
     "activation": lambda name, value: require_one_of(name, value, ACTIVATIONS),
+    "norm": lambda name, value: require_one_of(name, value, NORMS),
+    "positions": lambda name, value: require_one_of(name, value, POSITIONS),
+    "rope_scaling": lambda name, value: require_one_of(name, value, ROPE_SCALINGS),
+    "feedforward": lambda name, value: require_one_of(name, value, FEEDFORWARDS),
+    "residual": lambda name, value: require_one_of(name, value, RESIDUALS),
+    "window_layers": lambda name, value: require_one_of(name, value, WINDOW_LAYERS),
+    "num_key_value_heads": _require_non_negative_int,
+    "head_dim": _require_non_negative_int,
+    "sliding_window": _require_non_negative_int,
+    "rotary_fraction": _require_rotary_fraction,
+    "rope_theta": require_positive_number,
+    "rope_factor": require_positive_number,
+    "rope_low_frequency_factor": require_positive_number,
+    "rope_high_frequency_factor": require_positive_number,
 }
 _CHECKS_BY_TYPE = {int: require_positive_int, bool: require_bool}
 
@@ -76,7 +108,8 @@ class TransformerConfig:
         for field in dataclasses.fields(self):
             check = _CHECKS_BY_NAME.get(field.name) or _CHECKS_BY_TYPE[field.type]
             check(field.name, getattr(self, field.name))
-        require_divisible("hidden_dim", self.hidden_dim, "num_heads", self.num_heads)
+        if not getattr(self, "head_dim", 0):  # an explicit head width need not divide it
+            require_divisible("hidden_dim", self.hidden_dim, "num_heads", self.num_heads)
 
     @classmethod
     def from_preset(cls, name, **overrides):
@@ -99,17 +132,124 @@ class TransformerConfig:
 
 @dataclasses.dataclass
 class GPTConfig(TransformerConfig):
-    """Shape of a GPT decoder (Radford et al. 2019).
+    """Shape of a decoder: GPT-2 (Radford et al. 2019) and its successors.
 
     The fields of `TransformerConfig` (defaults: GPT-2 small without
-    dropout) and:
+    dropout) and the switches that make the later decoders (the defaults
+    are GPT-2's):
 
     Args:
         tie_embeddings: bool. Reuse the token embedding matrix as the output
             projection (GPT-2) instead of a separate one.
+        norm: str. `"layer"` (LayerNorm, GPT-2) or `"rms"` (RMSNorm in
+            float32 with a weight only: Llama, Mistral, Qwen2).
+        positions: str. `"learned"` (a position table, GPT-2) or
+            `"rotary"` (rotary embeddings on queries and keys, no table:
+            Su et al. 2021).
+        rotary_fraction: float. Share of each head's width that the rotary
+            embedding turns, in (0, 1]: 1 for Llama, 0.25 for GPT-NeoX.
+        rotary_interleaved: bool. Rotate pairs of adjacent features
+            (GPT-J's `rotate_every_two`) instead of the first half against
+            the second (GPT-NeoX, Llama).
+        rope_theta: float. Base of the rotary frequencies.
+        rope_scaling: str. How the rotary frequencies stretch to longer
+            inputs: `"none"`, `"linear"` (positions divided by
+            `rope_factor`) or `"llama3"` (Llama 3.1's: low frequencies
+            divided by `rope_factor`, high ones kept, a blend between).
+        rope_factor: float. The scaling's factor.
+        rope_low_frequency_factor: float. `llama3` scaling: wavelengths
+            above `rope_original_max_length / this` are scaled.
+        rope_high_frequency_factor: float. `llama3` scaling: wavelengths
+            below `rope_original_max_length / this` are kept.
+        rope_original_max_length: int. `llama3` scaling: the context the
+            frequencies were trained for.
+        num_key_value_heads: int. Key and value heads, each shared by
+            `num_heads / num_key_value_heads` query heads (grouped-query
+            attention, Ainslie et al. 2023); 0: `num_heads` (multi-head).
+        head_dim: int. Width of each head; 0: `hidden_dim / num_heads`.
+        attention_bias: bool. Biases on the query, key and value projections.
+        output_bias: bool. A bias on the attention's output projection.
+        scale_attention: bool. Scale the scores by 1/sqrt(head_dim)
+            (GPT-Neo does not).
+        feedforward: str. `"dense"` (up, activation, down) or `"gated"`
+            (`down(activation(gate) * up)`: SwiGLU with `silu`, Shazeer
+            2020).
+        feedforward_bias: bool. Biases on the feed-forward projections.
+        residual: str. `"sequential"` (attention, then the feed-forward
+            network on its result), `"parallel"` (both on one norm of the
+            input, summed: GPT-J) or `"parallel_two_norms"` (each on its
+            own norm: GPT-NeoX).
+        lm_head_bias: bool. A bias on the untied output projection (GPT-J).
+        sliding_window: int. Each token attends to itself and the
+            `sliding_window - 1` tokens before it, in the layers
+            `window_layers` names (Mistral: all; GPT-Neo: every second);
+            0: to every token before it.
+        window_layers: str. `"all"` or `"odd"` (layers 1, 3, 5, ...: GPT-Neo's
+            alternation of global and local attention).
     """
 
     tie_embeddings: bool = True
+    norm: str = "layer"
+    positions: str = "learned"
+    rotary_fraction: float = 1.0
+    rotary_interleaved: bool = False
+    rope_theta: float = 10000.0
+    rope_scaling: str = "none"
+    rope_factor: float = 1.0
+    rope_low_frequency_factor: float = 1.0
+    rope_high_frequency_factor: float = 4.0
+    rope_original_max_length: int = 8192
+    num_key_value_heads: int = 0
+    head_dim: int = 0
+    attention_bias: bool = True
+    output_bias: bool = True
+    scale_attention: bool = True
+    feedforward: str = "dense"
+    feedforward_bias: bool = True
+    residual: str = "sequential"
+    lm_head_bias: bool = False
+    sliding_window: int = 0
+    window_layers: str = "all"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.num_key_value_heads:
+            require_divisible("num_heads", self.num_heads, "num_key_value_heads",
+                              self.num_key_value_heads)
+        if self.positions == "rotary" and self.rotary_dim % 2:
+            raise ValueError(
+                "The rotary embedding turns pairs of features: `rotary_fraction` x `head_dim` "
+                f"must be even. Received: rotary_fraction={self.rotary_fraction}, "
+                f"head_dim={self.key_width}"
+            )
+        if self.lm_head_bias and self.tie_embeddings:
+            raise ValueError("`lm_head_bias` needs an untied output projection: set "
+                             "tie_embeddings=False. Received: lm_head_bias=True, "
+                             "tie_embeddings=True")
+        if self.residual != "sequential" and not self.norm_first:
+            raise ValueError(f"A {self.residual} residual is pre-norm: set norm_first=True. "
+                             f"Received: residual={self.residual!r}, norm_first=False")
+
+    @property
+    def key_value_heads(self):
+        """Key and value heads (`num_key_value_heads`, or `num_heads`)."""
+        return self.num_key_value_heads or self.num_heads
+
+    @property
+    def key_width(self):
+        """Width of each head (`head_dim`, or `hidden_dim / num_heads`)."""
+        return self.head_dim or self.hidden_dim // self.num_heads
+
+    def window_of(self, layer):
+        """The sliding window of block `layer` (0: none)."""
+        if self.window_layers == "odd" and layer % 2 == 0:
+            return 0
+        return self.sliding_window
+
+    @property
+    def rotary_dim(self):
+        """Features of each head the rotary embedding turns."""
+        return int(self.rotary_fraction * self.key_width)
 
 
 @dataclasses.dataclass
@@ -209,6 +349,87 @@ GPT_PRESETS: dict[str, dict[str, typing.Any]] = {
     "gpt2-xl": _sized(GPTConfig, 48, 1600, 25, dropout=0.1),
 }
 
+def _llama(num_layers, hidden_dim, num_heads, num_key_value_heads, intermediate_dim, **fields):
+    """Every GPTConfig field of a decoder with Llama's switches: RMSNorm, rotary
+    positions, grouped-query attention, SwiGLU, no biases, an untied head."""
+    config = GPTConfig(
+        num_layers=num_layers, hidden_dim=hidden_dim, num_heads=num_heads,
+        num_key_value_heads=num_key_value_heads, intermediate_dim=intermediate_dim,
+        **{"norm": "rms", "positions": "rotary", "feedforward": "gated", "activation": "silu",
+           "attention_bias": False, "output_bias": False, "feedforward_bias": False,
+           "tie_embeddings": False, "layer_norm_epsilon": 1e-5, **fields},
+    )
+    return dataclasses.asdict(config)
+
+
+def _gptj(num_layers, hidden_dim, num_heads, rotary_dim, **fields):
+    """A decoder with GPT-J's switches: one norm feeding attention and the
+    feed-forward network in parallel, interleaved partial rotary positions,
+    no attention biases, an untied head with a bias."""
+    return dataclasses.asdict(GPTConfig(
+        num_layers=num_layers, hidden_dim=hidden_dim, num_heads=num_heads,
+        intermediate_dim=4 * hidden_dim, positions="rotary",
+        rotary_fraction=rotary_dim / (hidden_dim // num_heads), rotary_interleaved=True,
+        attention_bias=False, output_bias=False, residual="parallel", tie_embeddings=False,
+        lm_head_bias=True, **fields))
+
+
+def _neo(num_layers, hidden_dim, num_heads):
+    """GPT-Neo: GPT-2's blocks, unscaled scores, local attention (256) every second layer."""
+    return dataclasses.asdict(GPTConfig(
+        num_layers=num_layers, hidden_dim=hidden_dim, num_heads=num_heads,
+        intermediate_dim=4 * hidden_dim, max_sequence_length=2048, attention_bias=False,
+        scale_attention=False, sliding_window=256, window_layers="odd"))
+
+
+def _pythia(num_layers, hidden_dim, num_heads, vocabulary_size=50304):
+    """Pythia (GPT-NeoX): two norms in parallel, rotary positions on a quarter of
+    each head, exact GELU, an untied head."""
+    return dataclasses.asdict(GPTConfig(
+        num_layers=num_layers, hidden_dim=hidden_dim, num_heads=num_heads,
+        intermediate_dim=4 * hidden_dim, vocabulary_size=vocabulary_size,
+        max_sequence_length=2048, activation="gelu", positions="rotary",
+        rotary_fraction=0.25, residual="parallel_two_norms", tie_embeddings=False))
+
+
+_LLAMA3 = dict(vocabulary_size=128256, max_sequence_length=131072, rope_theta=500000.0,
+               rope_scaling="llama3", rope_low_frequency_factor=1.0,
+               rope_high_frequency_factor=4.0, rope_original_max_length=8192)
+_QWEN2 = dict(max_sequence_length=32768, rope_theta=1000000.0, layer_norm_epsilon=1e-6,
+              attention_bias=True)
+# The later decoders' published shapes (their config.json as released); the
+# parameter counts equal transformers' models of the same config
+# (tests/test_hf_decoders.py).
+DECODER_PRESETS: dict[str, dict[str, typing.Any]] = {
+    # Sized for a 2-core CPU, like gpt-demo: Llama's switches at gpt-demo's size.
+    "llama-demo": _llama(4, 192, 4, 2, 512, vocabulary_size=2000, max_sequence_length=128),
+    "llama3.2-1b": _llama(16, 2048, 32, 8, 8192, tie_embeddings=True, rope_factor=32.0,
+                          **_LLAMA3),
+    "llama3.2-3b": _llama(28, 3072, 24, 8, 8192, tie_embeddings=True, rope_factor=32.0,
+                          **_LLAMA3),
+    "llama3.1-8b": _llama(32, 4096, 32, 8, 14336, rope_factor=8.0, **_LLAMA3),
+    "mistral-7b": _llama(32, 4096, 32, 8, 14336, vocabulary_size=32000,
+                         max_sequence_length=32768, sliding_window=4096),
+    "qwen2-0.5b": _llama(24, 896, 14, 2, 4864, vocabulary_size=151936, tie_embeddings=True,
+                         **_QWEN2),
+    "qwen2-1.5b": _llama(28, 1536, 12, 2, 8960, vocabulary_size=151936, tie_embeddings=True,
+                         **_QWEN2),
+    "qwen2-7b": _llama(28, 3584, 28, 4, 18944, vocabulary_size=152064, **_QWEN2),
+    "gptj-demo": _gptj(4, 192, 4, 16, vocabulary_size=2000, max_sequence_length=128),
+    "gptj-6b": _gptj(28, 4096, 16, 64, vocabulary_size=50400, max_sequence_length=2048),
+    "gpt-neo-125m": _neo(12, 768, 12),
+    "gpt-neo-1.3b": _neo(24, 2048, 16),
+    "gpt-neo-2.7b": _neo(32, 2560, 20),
+    "pythia-70m": _pythia(6, 512, 8),
+    "pythia-160m": _pythia(12, 768, 12),
+    "pythia-410m": _pythia(24, 1024, 16),
+    "pythia-1b": _pythia(16, 2048, 8),
+    "pythia-1.4b": _pythia(24, 2048, 16),
+    "pythia-2.8b": _pythia(32, 2560, 32),
+    "pythia-6.9b": _pythia(32, 4096, 32, vocabulary_size=50432),
+    "pythia-12b": _pythia(36, 5120, 40, vocabulary_size=50688),
+}
+
 # Parameter counts of the backbones (embeddings, blocks, pooler; no
 # pretraining heads), asserted as exact integers in tests/test_bert.py and
 # tests/test_albert.py and equal to transformers' BertModel/AlbertModel of the
@@ -299,7 +520,7 @@ def _import_class(path):
 FAMILIES = {
     family.name: family
     for family in (
-        Family("gpt", GPTConfig, GPT_PRESETS, ("clm",),
+        Family("gpt", GPTConfig, {**GPT_PRESETS, **DECODER_PRESETS}, ("clm",),
                "tfgpt.models.gpt:GPT", "tfgpt.models.gpt:GPT"),
         Family("bert", BertConfig, BERT_PRESETS, ("mlm+nsp", "mlm"),
                "tfgpt.models.bert:BertBackbone", "tfgpt.models.bert:Bert"),

@@ -165,7 +165,7 @@ def runs(kernel, dtype=None, **conditions):
 
 
 def summary(dtype="float32", xla=False, dropout=0.0, masked=False, strategy=False,
-            tensor_parallel=False):
+            tensor_parallel=False, model_reasons=None):
     """One line naming the fused kernels a training step of this configuration runs.
 
     Args:
@@ -178,6 +178,9 @@ def summary(dtype="float32", xla=False, dropout=0.0, masked=False, strategy=Fals
             (train_mirrored.py; Horovod is not one).
         tensor_parallel: bool. The loss is the vocabulary-parallel one
             (`--tensor-parallel`), not the cross-entropy kernel.
+        model_reasons: dict or None. Kernel name -> why the model's
+            layers do not call it (an RMSNorm instead of a layer norm,
+            rotary attention: `tfgpt.training.loop.kernel_summary`).
 
     Returns:
         str, e.g. "fused kernels: softmax, layer_norm, bias_gelu,
@@ -201,6 +204,7 @@ def summary(dtype="float32", xla=False, dropout=0.0, masked=False, strategy=Fals
         )
         if tensor_parallel and kernel.name == "cross_entropy":
             why = "--tensor-parallel's vocabulary-parallel loss runs plain ops"
+        why = (model_reasons or {}).get(kernel.name) or why
         if why:
             inactive.setdefault(why, []).append(kernel.name)
         else:

@@ -23,7 +23,8 @@ class ActivatedDense(keras.layers.Dense):
     Args:
         units: int. Output width.
         activation: str or None. `"gelu"` (exact, erf), `"gelu_tanh"` (tanh
-            approximation, GPT-2's `gelu_new`), `"relu"` or None.
+            approximation, GPT-2's `gelu_new`), `"relu"`, `"silu"` (x *
+            sigmoid(x), Llama's gate) or None.
         **kwargs: the other arguments of `keras.layers.Dense`.
 
     Example:
@@ -60,6 +61,8 @@ class ActivatedDense(keras.layers.Dense):
             return kernels.gelu(x, approximate=_GELU_APPROXIMATE[self.activation_name])
         if self.activation_name == "relu":
             return keras.activations.relu(x)
+        if self.activation_name == "silu":
+            return keras.activations.silu(x)
         return x
 
     def get_config(self):

@@ -24,9 +24,12 @@ class SelfAttentionBase(ConfiguredLayer):
 
     Args:
         hidden_dim: int. Input and output width; must be divisible by
-            `num_heads`.
+            `num_heads` unless `head_dim` is given.
         num_heads: int. Number of attention heads.
         dropout: float. Dropout rate on the attention probabilities.
+        head_dim: int or None. Width of each head; None:
+            `hidden_dim // num_heads`.
+        output_bias: bool. A bias on the output projection.
 
     Built inside `tfgpt.parallel.tensor_parallel.slice_scope`, the layer
     holds `local_heads` of the heads (its slice): the projection to the
@@ -35,29 +38,39 @@ class SelfAttentionBase(ConfiguredLayer):
     dropout draws the slice's own masks.
     """
 
-    def __init__(self, hidden_dim, num_heads, dropout=0.0, **kwargs):
+    def __init__(self, hidden_dim, num_heads, dropout=0.0, head_dim=None, output_bias=True,
+                 **kwargs):
         super().__init__(**kwargs)
-        require_divisible("hidden_dim", hidden_dim, "num_heads", num_heads)
-        self.record_config(hidden_dim=hidden_dim, num_heads=num_heads, dropout=dropout)
-        self.head_dim = hidden_dim // num_heads
+        if head_dim is None:
+            require_divisible("hidden_dim", hidden_dim, "num_heads", num_heads)
+        self.record_config(hidden_dim=hidden_dim, num_heads=num_heads, dropout=dropout,
+                           head_dim=head_dim or hidden_dim // num_heads, output_bias=output_bias)
         self.tensor_slice = current_slice()
-        self.local_heads = (
-            self.tensor_slice.rows(num_heads, "num_heads")[1] if self.tensor_slice else num_heads
-        )
+        self.local_heads = self._local(num_heads, "num_heads")
         # Width of the concatenated heads this layer holds.
         self.local_dim = self.local_heads * self.head_dim
 
-    def _heads_dense(self, groups, name, initializer=None):
-        """The column-parallel projection to `groups` x this layer's heads (q, k, v)."""
+    def _local(self, heads, what):
+        """This slice's count of `heads` (all of them without a tensor slice)."""
+        return self.tensor_slice.rows(heads, what)[1] if self.tensor_slice else heads
+
+    def _heads_dense(self, groups, name, initializer=None, heads=None, use_bias=True):
+        """The column-parallel projection to `groups` x this layer's heads
+        (q, k, v: 3; k, v: 2), of `heads` heads each (default `num_heads`)."""
         initializer = initializer or normal_initializer()
+        heads = heads or self.num_heads
         if self.tensor_slice is None:
-            return self._dense(groups * self.hidden_dim, name, initializer)
-        whole = (self.hidden_dim, groups * self.hidden_dim)
+            return self._dense(groups * heads * self.head_dim, name, initializer,
+                               use_bias=use_bias)
+        whole = (self.hidden_dim, groups * heads * self.head_dim)
+        local = self.tensor_slice.rows(heads, "num_key_value_heads" if heads != self.num_heads
+                                       else "num_heads")[1]
         dense = self._dense(
-            groups * self.local_dim, name,
+            groups * local * self.head_dim, name,
             sliced_initializer(initializer, self.tensor_slice, whole, (1, groups)),
+            use_bias=use_bias,
         )
-        mark_split(dense, kernel=(1, groups), bias=(0, groups))
+        mark_split(dense, kernel=(1, groups), **({"bias": (0, groups)} if use_bias else {}))
         return dense
 
     def _heads_input(self, inputs):
@@ -67,9 +80,10 @@ class SelfAttentionBase(ConfiguredLayer):
     def _add_output_layers(self, initializer=None):
         initializer = initializer or normal_initializer()
         if self.tensor_slice is not None:
-            whole = (self.hidden_dim, self.hidden_dim)
+            whole = (self.num_heads * self.head_dim, self.hidden_dim)
             initializer = sliced_initializer(initializer, self.tensor_slice, whole, (0, 1))
-        self.output_projection = self._dense(self.hidden_dim, "output_projection", initializer)
+        self.output_projection = self._dense(self.hidden_dim, "output_projection", initializer,
+                                             use_bias=self.output_bias)
         self.attention_dropout = self._dropout(self.dropout, "attention_dropout")
         if self.tensor_slice is not None:
             mark_split(self.output_projection, kernel=(0, 1))

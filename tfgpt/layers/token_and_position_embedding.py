@@ -17,6 +17,9 @@ class TokenAndPositionEmbedding(ConfiguredLayer):
             stay below it.
         hidden_dim: int. Embedding width.
         dropout: float. Dropout rate applied to the sum.
+        learned_positions: bool. Add the position table's rows; False
+            embeds tokens only (positions enter the attention instead:
+            rotary embeddings).
 
     Built inside `tfgpt.parallel.tensor_parallel.slice_scope`, the token
     table holds the slice's `vocabulary_size / T` rows (vocabulary-parallel:
@@ -30,7 +33,8 @@ class TokenAndPositionEmbedding(ConfiguredLayer):
     """
 
     def __init__(
-        self, vocabulary_size, max_sequence_length, hidden_dim, dropout=0.0, **kwargs
+        self, vocabulary_size, max_sequence_length, hidden_dim, dropout=0.0,
+        learned_positions=True, **kwargs
     ):
         super().__init__(**kwargs)
         self.record_config(
@@ -38,6 +42,7 @@ class TokenAndPositionEmbedding(ConfiguredLayer):
             max_sequence_length=max_sequence_length,
             hidden_dim=hidden_dim,
             dropout=dropout,
+            learned_positions=learned_positions,
         )
         initializer = normal_initializer()
         self.tensor_slice = current_slice()
@@ -53,12 +58,13 @@ class TokenAndPositionEmbedding(ConfiguredLayer):
             mark_split(self.token_embedding, embeddings=(0, 1))
         self.position_embedding = self._embedding(
             max_sequence_length, hidden_dim, "position_embedding", initializer
-        )
+        ) if learned_positions else None
         self.embedding_dropout = self._dropout(dropout, "embedding_dropout")
 
     def build(self, input_shape):
         self.token_embedding.build(input_shape)
-        self.position_embedding.build(input_shape)
+        if self.position_embedding is not None:
+            self.position_embedding.build(input_shape)
         self.built = True
 
     def call(self, token_ids, start_index=0, positions=None, training=None):
@@ -72,6 +78,13 @@ class TokenAndPositionEmbedding(ConfiguredLayer):
                 left-padded batches; overrides `start_index`.
             training: bool. Enables dropout.
         """
+        if self.tensor_slice is None:
+            tokens = self.token_embedding(token_ids)  # (B, T, C)
+        else:
+            table = tf.cast(self.token_embedding.embeddings, self.compute_dtype)  # (V/T, C)
+            tokens = self.tensor_slice.embed(table, token_ids)  # (B, T, C)
+        if self.position_embedding is None:
+            return self.embedding_dropout(tokens, training=training)  # (B, T, C)
         sequence_length = token_ids.shape[1]
         if (
             positions is None
@@ -95,10 +108,5 @@ class TokenAndPositionEmbedding(ConfiguredLayer):
             self.max_sequence_length,
             message="position beyond max_sequence_length",
         )
-        if self.tensor_slice is None:
-            tokens = self.token_embedding(token_ids)  # (B, T, C)
-        else:
-            table = tf.cast(self.token_embedding.embeddings, self.compute_dtype)  # (V/T, C)
-            tokens = self.tensor_slice.embed(table, token_ids)  # (B, T, C)
         embedded = tokens + self.position_embedding(positions)
         return self.embedding_dropout(embedded, training=training)  # (B, T, C)

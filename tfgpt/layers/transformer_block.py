@@ -7,6 +7,7 @@ from tfgpt.config.checks import require_one_of
 from tfgpt.layers.activated_dense import ActivatedDense
 from tfgpt.layers.causal_self_attention import CausalSelfAttention
 from tfgpt.layers.configured_layer import ConfiguredLayer, normal_initializer
+from tfgpt.layers.rms_norm import RMSNorm
 from tfgpt.layers.self_attention import SelfAttention
 from tfgpt.parallel.tensor_parallel import current_slice, mark_split, sliced_initializer
 
@@ -43,6 +44,16 @@ class TransformerBlock(ConfiguredLayer):
         activation: str. `"gelu"`, `"gelu_tanh"` or `"relu"`.
         norm_first: bool. Pre-LN when True, post-LN when False.
         layer_norm_epsilon: float. Epsilon of both layer norms.
+        norm: str. `"layer"` (LayerNorm) or `"rms"` (RMSNorm).
+        feedforward: str. `"dense"`: `output(activation(intermediate(x)))`;
+            `"gated"`: `output(activation(gate(x)) * intermediate(x))`.
+        feedforward_bias: bool. Biases on the feed-forward projections.
+        residual: str. `"sequential"`, or (pre-norm only) `"parallel"`:
+            `x + attention(n(x)) + feedforward(n(x))` with one norm (GPT-J),
+            `"parallel_two_norms"`: each branch on its own norm (GPT-NeoX).
+        attention_options: dict. More arguments of the causal attention
+            (`num_key_value_heads`, `head_dim`, `attention_bias`,
+            `output_bias`, `scale`, `rotary`: `CausalSelfAttention`'s).
 
     Activation recomputation (`block.recompute = True`, or
     `set_recompute(model, True)` for every block of a model) keeps only the
@@ -88,10 +99,18 @@ class TransformerBlock(ConfiguredLayer):
         activation="gelu_tanh",
         norm_first=True,
         layer_norm_epsilon=1e-5,
+        norm="layer",
+        feedforward="dense",
+        feedforward_bias=True,
+        residual="sequential",
+        attention_options=None,
         **kwargs,
     ):
         super().__init__(**kwargs)
         require_one_of("attention", attention, ATTENTION_LAYERS)
+        require_one_of("norm", norm, ("layer", "rms"))
+        require_one_of("feedforward", feedforward, ("dense", "gated"))
+        require_one_of("residual", residual, ("sequential", "parallel", "parallel_two_norms"))
         self.record_config(
             hidden_dim=hidden_dim,
             num_heads=num_heads,
@@ -100,16 +119,24 @@ class TransformerBlock(ConfiguredLayer):
             activation=activation,
             norm_first=norm_first,
             layer_norm_epsilon=layer_norm_epsilon,
+            norm=norm,
+            feedforward=feedforward,
+            feedforward_bias=feedforward_bias,
+            residual=residual,
+            attention_options=attention_options,
         )
         # The attribute `attention` is the attention layer, built below.
         self.attention_kind = attention
         initializer = normal_initializer()
-        self.attention_norm = self._layer_norm(layer_norm_epsilon, "attention_norm")
+        self.attention_norm = self._norm("attention_norm")
         self.attention = ATTENTION_LAYERS[attention](
-            hidden_dim, num_heads, dropout=dropout, dtype=self.dtype_policy, name="attention"
+            hidden_dim, num_heads, dropout=dropout, dtype=self.dtype_policy, name="attention",
+            **(attention_options or {})
         )
         self.attention_dropout = self._dropout(dropout, "attention_dropout")
-        self.feedforward_norm = self._layer_norm(layer_norm_epsilon, "feedforward_norm")
+        # GPT-J's parallel residual feeds both branches from the one norm.
+        self.feedforward_norm = (None if residual == "parallel"
+                                 else self._norm("feedforward_norm"))
         self.tensor_slice = current_slice()
         self.local_intermediate = intermediate_dim
         intermediate_initializer = output_initializer = initializer
@@ -120,49 +147,72 @@ class TransformerBlock(ConfiguredLayer):
                 initializer, self.tensor_slice, (hidden_dim, intermediate_dim), (1, 1))
             output_initializer = sliced_initializer(
                 initializer, self.tensor_slice, (intermediate_dim, hidden_dim), (0, 1))
+        gated = feedforward == "gated"
+        # Gated: the activation acts on the gate, the intermediate multiplies it.
+        self.feedforward_gate = self._dense(
+            self.local_intermediate, "feedforward_gate", intermediate_initializer,
+            dense_class=ActivatedDense, activation=activation, use_bias=feedforward_bias,
+        ) if gated else None
         self.feedforward_intermediate = self._dense(
             self.local_intermediate,
             "feedforward_intermediate",
             intermediate_initializer,
             dense_class=ActivatedDense,
-            activation=activation,
+            activation=None if gated else activation,
+            use_bias=feedforward_bias,
         )
-        self.feedforward_output = self._dense(hidden_dim, "feedforward_output", output_initializer)
+        self.feedforward_output = self._dense(hidden_dim, "feedforward_output", output_initializer,
+                                              use_bias=feedforward_bias)
         self.feedforward_dropout = self._dropout(dropout, "feedforward_dropout")
         if self.tensor_slice is not None:
-            mark_split(self.feedforward_intermediate, kernel=(1, 1), bias=(0, 1))
+            column = {"kernel": (1, 1), **({"bias": (0, 1)} if feedforward_bias else {})}
+            for layer in (self.feedforward_gate, self.feedforward_intermediate):
+                if layer is not None:
+                    mark_split(layer, **column)
             mark_split(self.feedforward_output, kernel=(0, 1))
+
+    def _norm(self, name):
+        if self.norm == "rms":
+            return RMSNorm(epsilon=self.layer_norm_epsilon, dtype=self.dtype_policy, name=name)
+        return self._layer_norm(self.layer_norm_epsilon, name)
 
     def build(self, input_shape):
         self.attention_norm.build(input_shape)
         self.attention.build(input_shape)
-        self.feedforward_norm.build(input_shape)
+        if self.feedforward_norm is not None:
+            self.feedforward_norm.build(input_shape)
+        if self.feedforward_gate is not None:
+            self.feedforward_gate.build(input_shape)
         self.feedforward_intermediate.build(input_shape)
         self.feedforward_output.build(input_shape[:-1] + (self.local_intermediate,))
         self.built = True
 
     def _feedforward(self, x, training):
         if self.tensor_slice is not None:
-            x = self.feedforward_intermediate(self.tensor_slice.copy_to_group(x))  # (B, T, I/T)
-            x = self.tensor_slice.row_parallel(self.feedforward_output, x)  # (B, T, C)
-            return self.feedforward_dropout(x, training=training)
-        x = self.feedforward_intermediate(x)  # (B, T, I)
-        x = self.feedforward_output(x)  # (B, T, C)
+            x = self.tensor_slice.copy_to_group(x)  # f
+        hidden = self.feedforward_intermediate(x)  # (B, T, I), I/T under a slice
+        if self.feedforward_gate is not None:
+            hidden = self.feedforward_gate(x) * hidden  # (B, T, I)
+        if self.tensor_slice is not None:
+            x = self.tensor_slice.row_parallel(self.feedforward_output, hidden)  # (B, T, C)
+        else:
+            x = self.feedforward_output(hidden)  # (B, T, C)
         return self.feedforward_dropout(x, training=training)
 
-    def call(self, inputs, padding_mask=None, cache=None, cache_index=0, training=None):
+    def call(self, inputs, padding_mask=None, cache=None, cache_index=0, positions=None,
+             training=None):
         """Applies the block to `inputs` (B, T, C).
 
-        `padding_mask` (B, S) marks the real key positions; `cache` and
-        `cache_index` (causal attention only) are those of
+        `padding_mask` (B, S) marks the real key positions; `cache`,
+        `cache_index` and `positions` (causal attention only) are those of
         `CausalSelfAttention`, and with a cache the updated cache is
         returned as a second output.
         """
         if self.recompute and training and cache is None:
-            return self._recomputed(inputs, padding_mask, training)
-        return self._apply(inputs, padding_mask, cache, cache_index, training)
+            return self._recomputed(inputs, padding_mask, positions, training)
+        return self._apply(inputs, padding_mask, cache, cache_index, positions, training)
 
-    def _recomputed(self, inputs, padding_mask, training):
+    def _recomputed(self, inputs, padding_mask, positions, training):
         # Dropout draws each mask from its SeedGenerator's state and advances
         # it. The recomputation in the backward pass rewinds the states to
         # their values before the forward pass, so it replays the same masks,
@@ -184,7 +234,7 @@ class TransformerBlock(ConfiguredLayer):
             forward_done.append(True)
             for state, value in zip(states, saved):
                 state.assign(value)
-            outputs = self._apply(x, padding_mask, None, 0, training)
+            outputs = self._apply(x, padding_mask, None, 0, positions, training)
             with tf.control_dependencies([outputs]):
                 for state, value in zip(states, found):
                     state.assign(value)
@@ -192,20 +242,22 @@ class TransformerBlock(ConfiguredLayer):
 
         return tf.recompute_grad(block)(inputs)
 
-    def _apply(self, inputs, padding_mask, cache, cache_index, training):
+    def _apply(self, inputs, padding_mask, cache, cache_index, positions, training):
         # Inside the recomputed function: a recomputation gathers again
         # (its inputs wait for the gradient arriving from the layer above).
         if self.weights_scope is not None:
             with self.weights_scope(inputs):
-                return self._compute(inputs, padding_mask, cache, cache_index, training)
-        return self._compute(inputs, padding_mask, cache, cache_index, training)
+                return self._compute(inputs, padding_mask, cache, cache_index, positions,
+                                     training)
+        return self._compute(inputs, padding_mask, cache, cache_index, positions, training)
 
-    def _compute(self, inputs, padding_mask, cache, cache_index, training):
+    def _compute(self, inputs, padding_mask, cache, cache_index, positions, training):
         x = inputs
         attention_input = self.attention_norm(x) if self.norm_first else x
+        extra = {} if positions is None else {"positions": positions}  # causal only
         if cache is None:
             attended = self.attention(
-                attention_input, padding_mask=padding_mask, training=training
+                attention_input, padding_mask=padding_mask, training=training, **extra
             )
         else:
             attended, cache = self.attention(
@@ -214,12 +266,18 @@ class TransformerBlock(ConfiguredLayer):
                 cache=cache,
                 cache_index=cache_index,
                 training=training,
+                **extra,
             )
-        x = x + self.attention_dropout(attended, training=training)
-        if self.norm_first:
+        attended = self.attention_dropout(attended, training=training)
+        if self.residual != "sequential":
+            feedforward_input = (attention_input if self.feedforward_norm is None
+                                 else self.feedforward_norm(x))
+            x = x + attended + self._feedforward(feedforward_input, training)
+        elif self.norm_first:
+            x = x + attended
             x = x + self._feedforward(self.feedforward_norm(x), training)
         else:
-            x = self.attention_norm(x)
+            x = self.attention_norm(x + attended)
             x = self.feedforward_norm(x + self._feedforward(x, training))
         if cache is not None:
             return x, cache

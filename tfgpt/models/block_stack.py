@@ -1,6 +1,7 @@
 """The stack of transformer blocks that GPT and the encoder backbones share."""
 
 from tfgpt.layers.layer_norm import LayerNorm
+from tfgpt.layers.rms_norm import RMSNorm
 from tfgpt.layers.transformer_block import TransformerBlock
 
 
@@ -18,8 +19,12 @@ class BlockStack:
     child instead (`model/block_0/...`).
     """
 
-    def _add_blocks(self, count, attention):
-        """`count` blocks with `attention` (`"causal"` or `"bidirectional"`)."""
+    def _add_blocks(self, count, attention, norm="layer", attention_options=None,
+                    **block_options):
+        """`count` blocks with `attention` (`"causal"` or `"bidirectional"`),
+        `norm` (`"layer"` or `"rms"`), each block's `attention_options`
+        (a list, one dict per block) and the decoder's `block_options`
+        (`TransformerBlock`'s `feedforward`, `residual`, ...)."""
         policy = self.dtype_policy
         self.blocks = [
             TransformerBlock(
@@ -31,13 +36,17 @@ class BlockStack:
                 activation=self.activation,
                 norm_first=self.norm_first,
                 layer_norm_epsilon=self.layer_norm_epsilon,
+                norm=norm,
+                attention_options=attention_options[index] if attention_options else None,
                 dtype=policy,
                 name=f"block_{index}",
+                **block_options,
             )
             for index in range(count)
         ]
+        norm_class = RMSNorm if norm == "rms" else LayerNorm
         self.final_norm = (
-            LayerNorm(epsilon=self.layer_norm_epsilon, dtype=policy, name="final_norm")
+            norm_class(epsilon=self.layer_norm_epsilon, dtype=policy, name="final_norm")
             if self.norm_first
             else None
         )

@@ -21,6 +21,13 @@ class GPT(BlockStack, ConfiguredModel):
     (B, T, vocabulary_size) whatever the dtype policy, so the loss and its
     softmax run in float32 under mixed precision.
 
+    The config's switches make the later decoders from the same parts
+    (`tfgpt.config.GPTConfig`): RMSNorm, rotary positions (no position
+    table), grouped-query attention, gated feed-forward networks, parallel
+    residuals, biases on or off, an untied head with a bias: Llama,
+    Mistral, Qwen2, GPT-J and GPT-NeoX are presets and conversions of this
+    one model.
+
     Built inside `tfgpt.parallel.tensor_parallel.slice_scope` (tensor
     parallelism, `--tensor-parallel`), each rank holds its slice of every
     block and of the vocabulary, and returns the logits of its own
@@ -43,15 +50,40 @@ class GPT(BlockStack, ConfiguredModel):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         policy = self.dtype_policy
+        config = self.config
         self.embeddings = TokenAndPositionEmbedding(
             self.vocabulary_size,
             self.max_sequence_length,
             self.hidden_dim,
             dropout=self.dropout,
+            learned_positions=config.positions == "learned",
             dtype=policy,
             name="embeddings",
         )
-        self._add_blocks(self.num_layers, attention="causal")
+        rotary = None
+        if config.positions == "rotary":
+            rotary = {
+                "dim": config.rotary_dim, "interleaved": config.rotary_interleaved,
+                "theta": config.rope_theta, "scaling": config.rope_scaling,
+                "factor": config.rope_factor,
+                "low_frequency_factor": config.rope_low_frequency_factor,
+                "high_frequency_factor": config.rope_high_frequency_factor,
+                "original_max_length": config.rope_original_max_length,
+            }
+        self._add_blocks(
+            self.num_layers, attention="causal", norm=config.norm,
+            feedforward=config.feedforward, feedforward_bias=config.feedforward_bias,
+            residual=config.residual,
+            attention_options=[{
+                "num_key_value_heads": config.key_value_heads,
+                "head_dim": config.key_width,
+                "attention_bias": config.attention_bias,
+                "output_bias": config.output_bias,
+                "scale": config.scale_attention,
+                "window": config.window_of(index),
+                "rotary": rotary,
+            } for index in range(self.num_layers)],
+        )
         self.tensor_slice = current_slice()
         self.lm_head = None
         if not self.tie_embeddings:
@@ -62,11 +94,12 @@ class GPT(BlockStack, ConfiguredModel):
                     initializer, self.tensor_slice,
                     (self.hidden_dim, self.vocabulary_size), (1, 1))
             self.lm_head = keras.layers.Dense(
-                units, use_bias=False, kernel_initializer=initializer, dtype=policy,
-                name="lm_head",
+                units, use_bias=config.lm_head_bias, kernel_initializer=initializer,
+                dtype=policy, name="lm_head",
             )
             if self.tensor_slice is not None:
-                mark_split(self.lm_head, kernel=(1, 1))
+                mark_split(self.lm_head, kernel=(1, 1),
+                           **({"bias": (0, 1)} if config.lm_head_bias else {}))
         self.build((None, None))
 
     def build(self, input_shape):
@@ -105,11 +138,13 @@ class GPT(BlockStack, ConfiguredModel):
         x = self.embeddings(
             token_ids, start_index=cache_index, positions=positions, training=training
         )  # (B, T, C)
+        # Rotary positions enter each attention: its default, from cache_index, or these.
+        rotary = {} if positions is None else {"positions": positions}
         per_layer = isinstance(cache, (list, tuple))
         new_caches = []
         for index, block in enumerate(self.blocks):
             if cache is None:
-                x = block(x, padding_mask=padding_mask, training=training)
+                x = block(x, padding_mask=padding_mask, training=training, **rotary)
             else:
                 x, layer_cache = block(
                     x,
@@ -117,6 +152,7 @@ class GPT(BlockStack, ConfiguredModel):
                     cache=cache[index] if per_layer else cache[:, index],
                     cache_index=cache_index,
                     training=training,
+                    **rotary,
                 )
                 new_caches.append(layer_cache)
         if self.final_norm is not None:
@@ -172,13 +208,15 @@ class GPT(BlockStack, ConfiguredModel):
         return decoding.generate(self, prompt_ids, max_new_tokens, **options)
 
     def empty_cache(self, batch_size, cache_length=None):
-        """Returns a zero key/value cache (B, L, 2, H, S, D) for decoding.
+        """Returns a zero key/value cache (B, L, 2, KV, S, D) for decoding (KV:
+        the key-value heads).
 
         `batch_size` and `cache_length` may be scalar tensors (inside a
         `tf.function`); `cache_length` defaults to `max_sequence_length`.
         """
         if cache_length is None:
             cache_length = self.max_sequence_length
-        head_dim = self.hidden_dim // self.num_heads
-        shape = [batch_size, self.num_layers, 2, self.num_heads, cache_length, head_dim]
+        config = self.config
+        shape = [batch_size, self.num_layers, 2, config.key_value_heads, cache_length,
+                 config.key_width]
         return tf.zeros(shape, dtype=self.compute_dtype)

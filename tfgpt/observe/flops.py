@@ -3,14 +3,19 @@
 MFU (model FLOPs utilisation, Chowdhery et al. 2022, appendix B) divides
 the FLOPs the model needs by the time taken, against the hardware's peak:
 
-    flops_per_token = 6 * N + 12 * num_layers * hidden_dim * seq_len
+    flops_per_token = 6 * N + 12 * num_layers * attention_width * seq_len
 
 N counts the parameters that take part in matrix multiplications: every
-parameter except the position table, with the token embedding counted once
+parameter except the position table (a rotary decoder has none), with the
+token embedding counted once
 as the output projection (tied) or not at all (untied, where `lm_head` is
 counted instead). 6N is the forward (2N) and backward (4N) cost of those
 matmuls; the second term is attention's QK^T and AV products, counted over
-the full sequence as PaLM does (causal masking is not subtracted).
+the full sequence as PaLM does (causal masking is not subtracted), at the
+width of the query heads (`num_heads x head_dim`, the hidden width unless
+a config sets `head_dim`; grouped-query attention shares keys and values,
+not products, so its queries count in full). A gated feed-forward network's
+third matrix is in N.
 Recomputation is not counted: MFU measures useful work.
 
 Encoders (BERT, ALBERT) use the same formula with N = num_layers x
@@ -40,7 +45,8 @@ from tfgpt.parallel.tensor_parallel import whole_parameters
 def matmul_parameters(model):
     """N in 6N: the parameters used in a matmul for every token (of the whole model)."""
     count = whole_parameters(model)  # a tensor-parallel slice: its whole model's
-    count -= model.max_sequence_length * model.hidden_dim  # position lookup
+    if model.embeddings.position_embedding is not None:
+        count -= model.max_sequence_length * model.hidden_dim  # position lookup
     if not model.tie_embeddings:
         count -= model.vocabulary_size * model.hidden_dim  # token lookup
     return count
@@ -64,7 +70,8 @@ def flops_per_token(model, sequence_length):
             encoder_matmul_parameters(backbone), backbone.num_layers, backbone.hidden_dim
         )
     else:
-        parameters, layers, hidden = matmul_parameters(model), model.num_layers, model.hidden_dim
+        parameters, layers = matmul_parameters(model), model.num_layers
+        hidden = model.num_heads * model.config.key_width
     return 6 * parameters + 12 * layers * hidden * sequence_length
 
 

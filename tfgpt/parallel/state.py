@@ -24,7 +24,7 @@ from tfgpt.config.distribution import ZERO_STAGES
 
 @dataclasses.dataclass(frozen=True)
 class ParallelState:
-    """The parallel state of a run: `size` ranks as data × pipeline × tensor, and ZeRO's stage.
+    """A run's parallel state: `size` ranks as data × pipeline × tensor, and ZeRO's stage.
 
     Args:
         size: int. Ranks in the run (`horovodrun -np N`).

@@ -163,6 +163,8 @@ def check_sizes(tensor, model_config):
         return
     for name in ("num_heads", "intermediate_dim"):
         split_rows(getattr(model_config, name), tensor, 0, name)
+    # Grouped-query attention: each slice holds whole key-value heads.
+    split_rows(model_config.key_value_heads, tensor, 0, "num_key_value_heads")
     if model_config.vocabulary_size % tensor:
         padded = -(-model_config.vocabulary_size // tensor) * tensor
         raise ValueError(

@@ -20,12 +20,24 @@ import typing
 
 from tfgpt.cli import HelpFormatter
 from tfgpt.config.distribution import FRONT_ENDS
-from tfgpt.config.models import ACTIVATIONS, FAMILIES, family_of_preset
+from tfgpt.config.models import (
+    ACTIVATIONS,
+    FAMILIES,
+    FEEDFORWARDS,
+    NORMS,
+    POSITIONS,
+    RESIDUALS,
+    ROPE_SCALINGS,
+    WINDOW_LAYERS,
+    family_of_preset,
+)
 from tfgpt.config.training import TrainConfig
 
 MODEL_CONFIG_CLASSES = tuple(family.config_class for family in FAMILIES.values())
 # Enumerated model fields (the model configs validate them).
-MODEL_CHOICES = {"activation": ACTIVATIONS}
+MODEL_CHOICES = {"activation": ACTIVATIONS, "norm": NORMS, "positions": POSITIONS,
+                 "rope_scaling": ROPE_SCALINGS, "feedforward": FEEDFORWARDS,
+                 "residual": RESIDUALS, "window_layers": WINDOW_LAYERS}
 
 # `name: type. meaning` or `name (type): meaning`, the first line of an entry.
 _ENTRY = re.compile(r"^(?P<indent>\s*)(?P<name>\w+)\s*(\([^)]*\))?:\s*(?P<text>.*)$")

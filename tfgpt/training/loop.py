@@ -117,7 +117,30 @@ def kernel_summary(config, distribution, model):
         masked=not isinstance(backbone, GPT),  # encoders pass a padding mask
         strategy=hasattr(distribution, "strategy"),
         tensor_parallel=distribution.tensor_slice is not None,
+        model_reasons=decoder_kernel_reasons(backbone.config) if isinstance(backbone, GPT)
+        else None,
     )
+
+
+def decoder_kernel_reasons(config):
+    """`{kernel: why it does not run}` for the switches of a decoder's `GPTConfig`."""
+    reasons = {}
+    unfused = [why for why, on in (
+        ("rotary positions", config.positions == "rotary"),
+        ("grouped-query attention", config.key_value_heads != config.num_heads),
+        ("a sliding window", config.sliding_window > 0),
+        ("unscaled scores", not config.scale_attention)) if on]
+    if unfused:
+        reasons["attention"] = f"{', '.join(unfused)}: plain ops"
+    if config.sliding_window:
+        reasons["softmax"] = "the sliding window's mask: plain ops"
+    if config.norm == "rms":
+        reasons["layer_norm"] = "RMSNorm runs plain ops (no fused kernel yet)"
+    if config.activation not in ("gelu", "gelu_tanh") or not config.feedforward_bias:
+        reasons["bias_gelu"] = (f"{config.activation} "
+                                f"{'without a bias' if not config.feedforward_bias else ''}"
+                                ).strip() + ": plain ops"
+    return reasons
 
 
 def warmup_warning(config, steps):

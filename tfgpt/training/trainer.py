@@ -404,7 +404,8 @@ def _validate(task, train_config, distribution, report, model, zero, model_confi
 def _train_elastic(train_config, distribution, report, *, model, optimizer, step, joining,
                    build_train_step, train_batches, run_files, tokenizer_path, sequence_length,
                    callbacks):
-    """Checkpoints and loop of an elastic run (`tfgpt.resilience.elastic`); returns the last metrics.
+    """Checkpoints and loop of an elastic run (`tfgpt.resilience.elastic`); returns the
+    last metrics.
 
     The chief resumes from disk (`--resume`) and writes the run files
     naming the job; the first formation's sync gives every worker its
