@@ -337,6 +337,22 @@ exec {python} "$@"
 }
 
 
+def _job_id_of_a_free_port():
+    """A job id whose rendezvous port (train.sbatch: 20000 + id % 20000) is
+    free now: a pid's port could be one another connection holds."""
+    import random
+    import socket
+
+    for port in random.Random(os.getpid()).sample(range(20000, 40000), 200):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("", port))
+            except OSError:
+                continue
+        return port - 20000 + 20000 * 7  # any id with this remainder
+    raise RuntimeError("no free port in 20000-39999 for the rendezvous server")
+
+
 @pytest.mark.distributed
 def test_slurm_script_trains_on_one_node_and_resumes_when_requeued(tiny_data, tmp_path):
     """train.sbatch itself, 1 node x 2 tasks on this machine; run again as a
@@ -350,7 +366,7 @@ def test_slurm_script_trains_on_one_node_and_resumes_when_requeued(tiny_data, tm
     environment = {
         "PATH": f"{bin_directory}{os.pathsep}{os.environ['PATH']}",
         "TFGPT_SHARED": str(tmp_path), "TFGPT_DATA": str(tiny_data),
-        "TFGPT_OUT": str(run_directory), "SLURM_JOB_ID": str(os.getpid()),
+        "TFGPT_OUT": str(run_directory), "SLURM_JOB_ID": str(_job_id_of_a_free_port()),
         "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_NUM_NODES": "1",
         "SLURM_NTASKS_PER_NODE": "2", "SLURM_CPUS_PER_TASK": "1",
     }

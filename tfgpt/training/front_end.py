@@ -11,6 +11,7 @@ parsed, so `--help` and flag errors never start TensorFlow.
 import importlib
 import os
 import sys
+import traceback
 
 
 class Command:
@@ -35,16 +36,16 @@ class Command:
         return module.parse_flags(argv, description=description, options_class=options_class)
 
     def run(self, config, model_overrides, distribution):
-        """Runs the core; returns 0, or 2 after one `error:` line on stderr.
+        """Runs the core; returns 0, 2 after one `error:` line on stderr, or 1
+        after the traceback of anything else (a failed collective, a peer
+        that died), so that the process still ends through `exit_after_run`.
 
         `distribution` is a distribution object, or a callable that makes
         one (so that its refusals, such as sizes that do not fit the
         number of workers, are one `error:` line too).
         """
-
-        from tfgpt.resilience import (
-            faults,  # these start TensorFlow: not before the flags
-        )
+        # These start TensorFlow: not before the flags are parsed.
+        from tfgpt.resilience import faults
         from tfgpt.training.loop import TrainingDiverged
 
         module, name = self.core.split(":")
@@ -57,6 +58,12 @@ class Command:
         except (ValueError, TrainingDiverged) as error:
             print(f"error: {error}", file=sys.stderr)
             return 2
+        except Exception:  # noqa: BLE001 - reported, and the exit below must still come
+            # An exception left to the interpreter would end the process
+            # through its normal teardown, which can wait forever on
+            # Horovod's and TensorFlow's threads once a peer has died.
+            traceback.print_exc()
+            return 1
         return 0
 
 
@@ -73,11 +80,13 @@ def exit_after_run(status):
     threads and objects, took seconds of idle time after the last log line
     (README, Performance) and once ended a finished `horovodrun -np 2` run
     with a segmentation fault on one rank. So: flush the output, shut
-    Horovod down if it runs (every collective is done by now), and leave.
+    Horovod down if it runs and the run succeeded (every collective is done
+    by now; after a failure a peer may be gone, and Horovod's shutdown would
+    wait for it), and leave.
     """
     sys.stdout.flush()
     sys.stderr.flush()
     hvd = sys.modules.get("horovod.tensorflow")
-    if hvd is not None and hvd.is_initialized():
+    if status == 0 and hvd is not None and hvd.is_initialized():
         hvd.shutdown()
     os._exit(status)
