@@ -7,9 +7,7 @@
 the same as train_hvd.py's, and StrategyOptions'.
 """
 
-from tfgpt.config.distribution import (
-    StrategyOptions as Options,  # Distribute: its flags
-)
+from tfgpt.config.distribution import StrategyOptions as Options  # Distribute: its flags
 from tfgpt.training.front_end import TRAIN as COMMAND
 from tfgpt.training.front_end import exit_after_run
 

@@ -359,8 +359,8 @@ def weight_map(model, model_type="llama"):
     `hf_names` are the transformers tensors the variable holds, joined
     along the Keras kernel's output axis (a torch weight transposed); a
     1-D weight (norm, bias) joins along its only axis. `layout` is
-    `"neox"` for GPT-NeoX's per-head fused query, key and value, else
-    `"joined"`.
+    `"neox"` for GPT-NeoX's per-head fused query, key and value, `"table"`
+    for an embedding table (the same (rows, width) in both), else `"joined"`.
     """
     if model_type == "gptj":
         yield from _gptj_weights(model)
@@ -371,7 +371,7 @@ def weight_map(model, model_type="llama"):
     if model_type == "gpt_neo":
         yield from _neo_weights(model)
         return
-    yield model.embeddings.token_embedding.embeddings, ["model.embed_tokens.weight"], "joined"
+    yield model.embeddings.token_embedding.embeddings, ["model.embed_tokens.weight"], "table"
     for index, block in enumerate(model.blocks):
         prefix = f"model.layers.{index}."
         attention, parts = block.attention, ("q_proj", "k_proj", "v_proj")
@@ -407,7 +407,7 @@ def _norm_weights(name, norm):
 
 
 def _gptj_weights(model):
-    yield model.embeddings.token_embedding.embeddings, ["transformer.wte.weight"], "joined"
+    yield model.embeddings.token_embedding.embeddings, ["transformer.wte.weight"], "table"
     for index, block in enumerate(model.blocks):
         prefix = f"transformer.h.{index}."
         yield from _norm_weights(prefix + "ln_1", block.attention_norm)
@@ -423,8 +423,8 @@ def _gptj_weights(model):
 
 
 def _neo_weights(model):
-    yield model.embeddings.token_embedding.embeddings, ["transformer.wte.weight"], "joined"
-    yield model.embeddings.position_embedding.embeddings, ["transformer.wpe.weight"], "joined"
+    yield model.embeddings.token_embedding.embeddings, ["transformer.wte.weight"], "table"
+    yield model.embeddings.position_embedding.embeddings, ["transformer.wpe.weight"], "table"
     for index, block in enumerate(model.blocks):
         prefix = f"transformer.h.{index}."
         yield from _norm_weights(prefix + "ln_1", block.attention_norm)
@@ -441,7 +441,7 @@ def _neo_weights(model):
 
 
 def _neox_weights(model):
-    yield model.embeddings.token_embedding.embeddings, ["gpt_neox.embed_in.weight"], "joined"
+    yield model.embeddings.token_embedding.embeddings, ["gpt_neox.embed_in.weight"], "table"
     for index, block in enumerate(model.blocks):
         prefix = f"gpt_neox.layers.{index}."
         yield from _norm_weights(prefix + "input_layernorm", block.attention_norm)
@@ -476,6 +476,8 @@ def _joined(tensors, names, layout, model):
     """The Keras value of `names`: torch matrices transposed and joined column-wise."""
     if layout == "neox":
         return _neox_to_keras(tensors[names[0]], model.num_heads)
+    if layout == "table":
+        return tensors[names[0]]
     parts = [tensors[name] for name in names]
     if parts[0].ndim == 2:
         parts = [part.T for part in parts]
@@ -532,8 +534,9 @@ def save_hf_decoder(model, directory, model_type="llama"):
     tensors = {}
     for variable, names, layout in weight_map(model, model_type):
         value = np.asarray(variable.numpy(), np.float32)
-        if layout == "neox":
-            tensors[names[0]] = np.ascontiguousarray(_keras_to_neox(value, model.num_heads))
+        if layout in ("neox", "table"):
+            tensors[names[0]] = np.ascontiguousarray(
+                _keras_to_neox(value, model.num_heads) if layout == "neox" else value)
             continue
         sizes = [0]
         if len(names) > 1:  # the fused projection's parts, in order

@@ -97,6 +97,8 @@ class TokenAndPositionEmbedding(ConfiguredLayer):
                 f"sequence_length={sequence_length} (starting at position "
                 f"{start_index}), max_sequence_length={self.max_sequence_length}"
             )
+        if positions is not None:
+            positions = tf.cast(positions, "int32")  # int64 from NumPy, say
         if positions is None:
             length = tf.shape(token_ids)[1]
             positions = tf.range(length) + start_index  # (T,)
