@@ -23,6 +23,7 @@ from tfgpt.parallel.keras_horovod import (
     BroadcastInitialState,
     DistributedOptimizer,
 )
+from tfgpt.parallel.state import ParallelState
 
 VOCABULARY = 29
 BATCH, SEQUENCE = 3, 6
@@ -37,6 +38,7 @@ class FakeDistribution:
 
     def __init__(self, rank=0, size=2, gradient_factor=0.5, offset=0.0):
         self.rank, self.size, self.is_chief = rank, size, rank == 0
+        self.state = ParallelState(size, rank=rank)  # every distribution's (data parallel)
         self.gradient_factor, self.offset = gradient_factor, offset
         self.gradient_calls, self.mean_calls, self.broadcasts = [], [], []
 

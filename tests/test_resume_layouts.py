@@ -142,6 +142,6 @@ def _assert_three_d_zero_1_shards(output, run_dir):
     _assert_rank_lines_show_shards(output, 4)
     # A stage's slice's moment (C = 32 rows): each data replica wrote its half.
     index = json.loads((run_dir / "ckpt-4" / "index.json").read_text())
-    chunks = index["keys"]["block_1/attention/query_key_value/kernel/momentum"]["chunks"]
+    chunks = index["keys"]["block_1/attention/query/kernel/momentum"]["chunks"]
     assert sorted((chunk["tensor"][1], chunk["rows"][0]) for chunk in chunks) == [
         (0, 0), (0, 16), (1, 0), (1, 16)], chunks

@@ -21,8 +21,8 @@ def main(front_end, out, argv):
     kept = {}
     original = finetuner.finetune
 
-    def finetune_and_keep(config, model_overrides, distribution):
-        model, metrics = original(config, model_overrides, distribution)
+    def finetune_and_keep(config, model_overrides, distribution, callbacks=()):
+        model, metrics = original(config, model_overrides, distribution, callbacks)
         kept.update(model=model, rank=distribution.rank)
         return model, metrics
 

@@ -16,8 +16,8 @@ def main(out, argv):
     dumped = {}
     original = trainer.train
 
-    def train_and_keep(config, model_overrides, distribution):
-        model, metrics = original(config, model_overrides, distribution)
+    def train_and_keep(config, model_overrides, distribution, callbacks=()):
+        model, metrics = original(config, model_overrides, distribution, callbacks)
         dumped["model"], dumped["rank"] = model, distribution.rank
         return model, metrics
 
