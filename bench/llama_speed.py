@@ -38,7 +38,7 @@ def _tfgpt_rate(config, batches, warmup):
     begin = time.perf_counter()
     for batch in batches[warmup:]:
         loss = step(batch)["loss"]
-    float(loss.detach()) if hasattr(loss, "detach") else float(loss)
+    float(loss)  # the last step done
     return (len(batches) - warmup) / (time.perf_counter() - begin), model.count_params()
 
 
@@ -71,7 +71,7 @@ def _torch_rate(config, batches, warmup):
     begin = time.perf_counter()
     for batch in batches[warmup:]:
         loss = step(batch)
-    float(loss.detach()) if hasattr(loss, "detach") else float(loss)
+    loss.item()  # the last step done
     return (len(batches) - warmup) / (time.perf_counter() - begin), model.num_parameters()
 
 

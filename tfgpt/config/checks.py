@@ -19,6 +19,10 @@ def require_positive_int(name, value):
     require_int_at_least(name, value, 1, "a positive integer")
 
 
+def require_non_negative_int(name, value):
+    require_int_at_least(name, value, 0, "a non-negative integer")
+
+
 def _is_number(value):
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 

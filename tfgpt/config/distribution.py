@@ -11,12 +11,8 @@ does not import TensorFlow.
 import dataclasses
 import socket
 
-from tfgpt.config.checks import require_positive_int
-from tfgpt.config.training import (
-    ALLREDUCE_BUCKET_MB,
-    require_non_negative_int,
-    require_one_of,
-)
+from tfgpt.config.checks import require_non_negative_int, require_positive_int
+from tfgpt.config.training import ALLREDUCE_BUCKET_MB, require_one_of
 from tfgpt.parallel import refusals
 
 STRATEGIES = ("default", "one-device", "mirrored", "multi-worker")

@@ -15,7 +15,7 @@ from tfgpt.config.checks import (
     require_bool,
     require_divisible,
     require_fraction,
-    require_int_at_least,
+    require_non_negative_int,
     require_one_of,
     require_positive_int,
     require_positive_number,
@@ -31,10 +31,6 @@ ROPE_SCALINGS = ("none", "linear", "llama3")
 FEEDFORWARDS = ("dense", "gated")
 RESIDUALS = ("sequential", "parallel", "parallel_two_norms")
 WINDOW_LAYERS = ("all", "odd")
-
-
-def _require_non_negative_int(name, value):
-    require_int_at_least(name, value, 0, "a non-negative integer (0: the default)")
 
 
 def _require_rotary_fraction(name, value):
@@ -54,9 +50,9 @@ _CHECKS_BY_NAME = {
     "feedforward": lambda name, value: require_one_of(name, value, FEEDFORWARDS),
     "residual": lambda name, value: require_one_of(name, value, RESIDUALS),
     "window_layers": lambda name, value: require_one_of(name, value, WINDOW_LAYERS),
-    "num_key_value_heads": _require_non_negative_int,
-    "head_dim": _require_non_negative_int,
-    "sliding_window": _require_non_negative_int,
+    "num_key_value_heads": require_non_negative_int,
+    "head_dim": require_non_negative_int,
+    "sliding_window": require_non_negative_int,
     "rotary_fraction": _require_rotary_fraction,
     "rope_theta": require_positive_number,
     "rope_factor": require_positive_number,

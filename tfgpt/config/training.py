@@ -11,8 +11,8 @@ Importing this module does not import TensorFlow.
 import dataclasses
 import typing
 
+from tfgpt.config.checks import require_non_negative_int, require_towers_divide_batch
 from tfgpt.config.checks import require_positive_int as _require_positive_int
-from tfgpt.config.checks import require_towers_divide_batch
 from tfgpt.config.models import FAMILIES
 
 # Horovod: megabytes of gradients per grouped allreduce (the Horovod front
@@ -25,11 +25,6 @@ SCHEDULES = ("cosine", "linear", "constant")
 OPTIMIZERS = ("adamw", "lamb")
 TASKS = ("auto", "clm", "mlm", "mlm+nsp", "mlm+sop")
 MONITOR_RULES = ("on", "off")
-
-
-def require_non_negative_int(name, value):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"`{name}` must be a non-negative integer. Received: {name}={value!r}")
 
 
 def require_one_of(name, value, allowed):
