@@ -2,11 +2,14 @@
 optimizer state sharded over its data group (`horovodrun -np 4`, 2 data replicas).
 
 The equivalence tests run `tests/hvd_scripts` (float32, 6 steps, dropout
-0) against one process on the same global batch; the `train_hvd.py` tests
-check the start-up lines and that a run killed after a save resumes with the
-same losses, bit for bit, as one that was not. (A ZeRO-1 checkpoint of data 2
+0) against one process on the same global batch; the `train_hvd.py` test
+checks the start-up lines and that each run, cut back to its step-2
+checkpoint, resumes to the same step-4 checkpoint, bit for bit (a run killed
+after a save: tests/test_zero.py, tests/test_tensor_parallel_runs.py). (A ZeRO-1 checkpoint of data 2
 x pipeline 2 x tensor 2 resumed on one process: tests/test_resume_layouts.py.)
 """
+
+import shutil
 
 import numpy as np
 import pytest
@@ -14,7 +17,7 @@ import pytest
 from tests.launch import (
     REPO,
     checkpoint_tensors,
-    horovodrun,
+    launch_each,
     run_and_load,
     run_each,
     saved_weights,
@@ -130,48 +133,59 @@ TINY_MODEL = [
 
 
 def _command(data, out, *layout, zero_stage=1):
-    return [REPO / "train_hvd.py", "--data", data, "--out", out, "--steps", "4",
+    """train_hvd.py's arguments."""
+    return ["--data", data, "--out", out, "--steps", "4",
             "--save-every", "2", "--log-every", "1", "--batch-size", "4", "--dropout", "0.0",
             "--eval-batches", "1", "--warmup-steps", "2", "--learning-rate", "3e-3",
             "--zero-stage", zero_stage, *TINY_MODEL, *layout]
 
 
 
+ZERO_1_LAYOUTS = {
+    "tensor": (["--tensor-parallel", "2"], "2 data replica(s) x tensor 2, this rank's slice"),
+    "pipeline": (["--pipeline-parallel", "2", "--microbatches", "2"],
+                 "2 data replica(s) x pipeline 2, this rank's stage"),
+}
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("layout, ranks_line", [
-    (["--tensor-parallel", "2"], "2 data replica(s) x tensor 2, this rank's slice"),
-    (["--pipeline-parallel", "2", "--microbatches", "2"],
-     "2 data replica(s) x pipeline 2, this rank's stage"),
-], ids=["tensor", "pipeline"])
-def test_train_hvd_reports_the_shards_and_resumes_bitwise(
-        tiny_data, tmp_path, layout, ranks_line):
+def test_train_hvd_reports_the_shards_and_resumes_bitwise(tiny_data, tmp_path):
+    """Data 2 x tensor 2 and data 2 x pipeline 2 with ZeRO-1, each trained
+    straight to step 4 in one launch; a copy of each run cut back to its
+    step-2 checkpoint resumes in a second launch and writes the same
+    step-4 checkpoint, bit for bit."""
     from tfgpt.loading import load_model
 
-    straight, killed = tmp_path / "straight", tmp_path / "killed"
-    code, output = horovodrun(4, *_command(tiny_data, straight, *layout))
-    assert code == 0, output
-    assert f"state per rank (ZeRO stage 1, {ranks_line}): parameters " in output
-    assert "optimizer " in output.split("state per rank (ZeRO stage 1")[1].splitlines()[0]
-    if "--pipeline-parallel" in layout:  # each stage's rank: its shard of its moments
-        _assert_rank_lines_show_shards(output, 2)
-    code, output = horovodrun(4, *_command(tiny_data, killed, *layout),
-                              env={"TFGPT_FAULT_KILL_AFTER_SAVE": "2"})
-    assert code != 0 and not (killed / "ckpt-4" / "index.json").exists(), output
-    # The same layout resumes bit for bit.
-    code, output = horovodrun(4, *_command(tiny_data, killed, *layout, "--resume"))
-    assert code == 0, output
-    assert "resumed from" in output
-    first, second = (checkpoint_tensors(run_dir / "ckpt-4") for run_dir in (straight, killed))
-    assert first.keys() == second.keys() and any(key.endswith("/velocity") for key in first)
-    for key in first:
-        np.testing.assert_array_equal(first[key], second[key], err_msg=key)
-    expected, resumed = train_losses(straight), train_losses(killed)
-    for at_step in (3, 4):
-        assert resumed[at_step] == expected[at_step], at_step
-    # The weights read whole, as any run's.
-    model, _ = load_model(str(straight))
-    assert len(model.generate([[5, 6, 7]], max_new_tokens=2)[0]) == 2
+    output = launch_each(REPO / "train_hvd.py", 4, [
+        _command(tiny_data, tmp_path / name, *layout) for name, (layout, _) in ZERO_1_LAYOUTS.items()])
+    for layout, ranks_line in ZERO_1_LAYOUTS.values():
+        [line] = {line for line in output.splitlines() if f"(ZeRO stage 1, {ranks_line}): " in line}
+        assert f"state per rank (ZeRO stage 1, {ranks_line}): parameters " in line, line
+        assert "optimizer " in line, line
+    _assert_rank_lines_show_shards(output, 2)  # the pipeline's line: each stage's rank
+    for name in ZERO_1_LAYOUTS:
+        resumed = tmp_path / f"{name}-resumed"
+        shutil.copytree(tmp_path / name, resumed)
+        shutil.rmtree(resumed / "ckpt-4")  # the checkpoint of step 2 is the latest
+        (resumed / "metrics.jsonl").unlink()
+    output = launch_each(REPO / "train_hvd.py", 4, [
+        _command(tiny_data, tmp_path / f"{name}-resumed", *layout, "--resume")
+        for name, (layout, _) in ZERO_1_LAYOUTS.items()])
+    assert output.count("resumed from") >= 2, output
+    for name in ZERO_1_LAYOUTS:
+        straight, resumed = tmp_path / name, tmp_path / f"{name}-resumed"
+        first, second = (checkpoint_tensors(run_dir / "ckpt-4") for run_dir in (straight, resumed))
+        assert first.keys() == second.keys() and any(key.endswith("/velocity") for key in first)
+        for key in first:
+            np.testing.assert_array_equal(first[key], second[key], err_msg=f"{name}: {key}")
+        expected, got = train_losses(straight), train_losses(resumed)
+        assert sorted(got) == [3, 4], (name, got)
+        for at_step in (3, 4):
+            assert got[at_step] == expected[at_step], (name, at_step)
+        # The weights read whole, as any run's.
+        model, _ = load_model(str(straight))
+        assert len(model.generate([[5, 6, 7]], max_new_tokens=2)[0]) == 2
 
 
 def _assert_rank_lines_show_shards(output, ranks):
