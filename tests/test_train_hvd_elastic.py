@@ -90,6 +90,28 @@ def record_fingerprints(records, record_length):
     ]
 
 
+def formations(output):
+    """The world size of each formation an elastic run logged, in order."""
+    return [int(line.split(", ")[1].split()[0])
+            for line in output.splitlines() if "elastic: formation" in line]
+
+
+def assert_no_abort(output):
+    """No worker aborted (Gloo's enforce failures end a worker with status 134)."""
+    assert "enforce fail" not in output and "status code 134" not in output, output
+
+
+def assert_each_sequence_once(steps, data):
+    """The steps' sequences, in order, are the global order's from position 0;
+    returns them."""
+    consumed = consumed_in_order(steps)
+    manifest = reader.load_manifest(data)
+    stream = reader.global_records(manifest, str(data), "train", shuffle=True, seed=0,
+                                   shuffle_buffer=reader.DEFAULT_SHUFFLE_BUFFER, cursor=0)
+    assert consumed == record_fingerprints(stream.take(len(consumed)), manifest["record_length"])
+    return consumed
+
+
 def validation_loss(run_dir):
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r["loss"] for r in records if r["split"] == "val"][-1]
@@ -121,21 +143,19 @@ def test_a_worker_lost_and_added_back_mid_run(tiny_data, tmp_path):
     )
     assert code == 0, output
     assert "Process 1 exit with status code 137" in output  # SIGKILL
-    formations = [int(line.split(", ")[1].split()[0])
-                  for line in output.splitlines() if "elastic: formation" in line]
-    assert formations[:3] == [2, 1, 2], output
+    assert formations(output)[:3] == [2, 1, 2], output
+    assert set(formations(output)[2:]) == {2}, output  # the pair, once formed again, stays
+    assert_no_abort(output)
 
     # Each sequence once: the steps' sequences are the global order's, in
     # order, from position 0 (the rolled-back steps, logged twice, count once).
     steps, lines = read_record_logs(records)
     assert sorted(steps) == list(range(1, STEPS + 1))
     assert lines > sum(size for size, _ in steps.values())  # some steps were done again
-    consumed = consumed_in_order(steps)
-    manifest = reader.load_manifest(tiny_data)
-    stream = reader.global_records(manifest, str(tiny_data), "train", shuffle=True, seed=0,
-                                   shuffle_buffer=reader.DEFAULT_SHUFFLE_BUFFER, cursor=0)
-    record_length = manifest["record_length"]
-    assert consumed == record_fingerprints(stream.take(len(consumed)), record_length)
+    # The pair formed again trains: the steps after the survivor's are two workers'.
+    alone = [step for step, (size, _) in steps.items() if size == 1]
+    assert alone and all(steps[step][0] == 2 for step in range(max(alone) + 1, STEPS + 1))
+    consumed = assert_each_sequence_once(steps, tiny_data)
     # ... which holds the first epoch whole: every sequence of the split once.
     split = reader.make_dataset(tiny_data, "train", 1, shuffle=False, repeat=False)
     everything = sorted(
@@ -161,6 +181,38 @@ def test_a_worker_lost_and_added_back_mid_run(tiny_data, tmp_path):
     assert saved[-1]["step"] == STEPS
     assert saved[-1]["data_cursor"] == len(consumed)
     json.loads((elastic / "run" / "config.json").read_text())
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_worker_added_trains_from_the_same_state(tiny_data, tmp_path):
+    """1 -> 2 workers on this machine, at gpt-mini's width: the worker that
+    joins receives rank 0's state and the pair trains, without an abort
+    (Horovod's response cache, kept by the first worker across the
+    re-formation, aborted such a pair: `tfgpt.parallel.horovod_bridge`);
+    each sequence of the global order is used once."""
+    steps = 30
+    records = tmp_path / "records"
+
+    def grow(hosts, output):
+        sizes = collections.Counter(size for _, _, size, _, _ in record_log_lines(records))
+        if len(hosts.slots) == 1 and sizes[1] >= 8:
+            hosts.set({"localhost": 1, "127.0.0.1": 1})
+
+    code, output = elastic_horovodrun(
+        tmp_path, *elastic_flags(tiny_data, tmp_path / "run", "--steps", steps, "--commit-every",
+                                 "2", "--log-every", "5", "--hidden-dim", "384", "--num-heads", "6",
+                                 "--intermediate-dim", "1536"),
+        on_poll=grow, slots={"localhost": 1}, max_slots=2,
+        env={faults.RECORD_LOG: str(records), faults.SLOW_COMPUTE: "0:0.2"})
+    assert code == 0, output
+    assert formations(output) == [1, 2], output
+    assert_no_abort(output)
+    steps_logged, _ = read_record_logs(records)
+    assert sorted(steps_logged) == list(range(1, steps + 1))
+    sizes = [steps_logged[step][0] for step in sorted(steps_logged)]
+    assert sizes == sorted(sizes) and sizes[-1] == 2 and sizes.count(2) >= 10, sizes
+    assert_each_sequence_once(steps_logged, tiny_data)
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -4,8 +4,8 @@ optimizer state sharded over its data group (`horovodrun -np 4`, 2 data replicas
 The equivalence tests run `tests/hvd_scripts` (float32, 6 steps, dropout
 0) against one process on the same global batch; the `train_hvd.py` test
 checks the start-up lines and that each run, cut back to its step-2
-checkpoint, resumes to the same step-4 checkpoint, bit for bit (a run killed
-after a save: tests/test_zero.py, tests/test_tensor_parallel_runs.py). (A ZeRO-1 checkpoint of data 2
+checkpoint, resumes to the same step-4 checkpoint, bit for bit (a run
+killed after a save: tests/test_zero.py, tests/test_tensor_parallel_runs.py). (A ZeRO-1 checkpoint of data 2
 x pipeline 2 x tensor 2 resumed on one process: tests/test_resume_layouts.py.)
 """
 
@@ -158,7 +158,8 @@ def test_train_hvd_reports_the_shards_and_resumes_bitwise(tiny_data, tmp_path):
     from tfgpt.loading import load_model
 
     output = launch_each(REPO / "train_hvd.py", 4, [
-        _command(tiny_data, tmp_path / name, *layout) for name, (layout, _) in ZERO_1_LAYOUTS.items()])
+        _command(tiny_data, tmp_path / name, *layout)
+        for name, (layout, _) in ZERO_1_LAYOUTS.items()])
     for layout, ranks_line in ZERO_1_LAYOUTS.values():
         [line] = {line for line in output.splitlines() if f"(ZeRO stage 1, {ranks_line}): " in line}
         assert f"state per rank (ZeRO stage 1, {ranks_line}): parameters " in line, line

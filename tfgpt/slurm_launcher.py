@@ -195,8 +195,9 @@ def main(argv=None):
         args.command, env={**os.environ, **rank_environment(plan, rank, args.port,
                                                              args.network_interface)},
     )
-    # scancel and a requeue send SIGTERM to every task: pass it on to the rank.
-    for signal_number in (signal.SIGTERM, signal.SIGINT):
+    # scancel, a preemption and `sbatch --signal` signal every task: pass it
+    # on to the rank (train_hvd.py --preemption-signal catches it).
+    for signal_number in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(signal_number, lambda number, frame: child.send_signal(number))
     code = child.wait()
     if server is not None:

@@ -1,7 +1,11 @@
 """Several runs of one check script in one process: `many.py SCRIPT RUNS`.
 
 RUNS is a JSON list; each item is one run's arguments to SCRIPT (`OUT TAG
-FLAGS...`), which must define `main(argv)`. The runs go one after another,
+FLAGS...`), which must define `main(argv)`, or `{"argv": [...], "env":
+{...}, "status": N}`: the arguments, environment variables set for that
+run alone, and the status its `main` must return (0, or None, unless
+given; a run that returns another ends the launch with status 1). The
+runs go one after another,
 in order, each from a cleared Keras session (layer names, the random seed
 generators, the dtype policy), so each starts as it would in a process of
 its own. A Horovod process set a run added is removed when it ends (every
@@ -29,11 +33,32 @@ def main(script, runs):
     spec.loader.exec_module(module)
     import keras
 
-    for index, argv in enumerate(runs):
+    for index, run in enumerate(runs):
+        if isinstance(run, list):
+            run = {"argv": run}
         if index:
             keras.backend.clear_session()
-        with _process_sets_removed_after():
-            module.main(argv)
+        with _process_sets_removed_after(), _environment(run.get("env", {})):
+            status = module.main(run["argv"]) or 0
+        if status != run.get("status", 0):
+            print(f"many.py: run {index} ended with status {status}, not "
+                  f"{run.get('status', 0)}: {run['argv']}", file=sys.stderr, flush=True)
+            sys.exit(1)
+
+
+@contextlib.contextmanager
+def _environment(variables):
+    """`os.environ` with `variables` set, inside."""
+    saved = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 @contextlib.contextmanager

@@ -49,6 +49,10 @@ def _input_prefix(path, index, count):
     return os.path.join(path, f"data-{index:05d}-of-{count:05d}")
 
 
+class SaveFailed(RuntimeError):
+    """A checkpoint could not be written on some rank; the previous one is still the latest."""
+
+
 def layout_of(distribution):
     """`(coordinates, description)` of this rank in `distribution`: its
     (data, pipeline, tensor) coordinates, and what the index records of the
@@ -68,7 +72,10 @@ class RunCheckpointer:
 
     Every rank writes the parts it is the writer of and its per-rank
     objects; after a barrier the chief commits the index, so a crash
-    mid-save leaves the previous checkpoint the latest. A restore reads,
+    mid-save leaves the previous checkpoint the latest. A write that fails
+    on any rank (no space left, a read-only or vanished directory) raises
+    `SaveFailed` on every rank, after the chief has removed the partial
+    checkpoint. A restore reads,
     for each part this rank holds, the region it holds, from a checkpoint
     of any layout (`tfgpt.checkpoint.files.Reader`).
 
@@ -134,16 +141,40 @@ class RunCheckpointer:
             shutil.rmtree(root, ignore_errors=True)
         self.barrier()
         written = [entry for entry in self.entries() if entry.writes]
-        write_rank(self.directory, step, rank, [value_of(e.variable) for e in written],
-                   [entry.record(rank, coordinates) for entry in written])
-        if self._input is not None and tuple(coordinates[1:]) == (0, 0):
-            iterator, index, count = self._input
-            tf.train.Checkpoint(iterator=iterator).write(_input_prefix(root, index, count))
-        self.barrier()  # every rank's files are on disk
-        if not self.is_chief:
-            return None
-        commit(self.directory, step, layout["ranks"], {"layout": layout}, self.keep)
-        return root
+        try:
+            write_rank(self.directory, step, rank, [value_of(e.variable) for e in written],
+                       [entry.record(rank, coordinates) for entry in written])
+            if self._input is not None and tuple(coordinates[1:]) == (0, 0):
+                iterator, index, count = self._input
+                tf.train.Checkpoint(iterator=iterator).write(_input_prefix(root, index, count))
+            error = None
+        except (OSError, tf.errors.OpError) as failure:
+            error = f"rank {rank}: {failure}"
+        self._agree(error, root)  # every rank's files are on disk
+        error = None
+        if self.is_chief:
+            try:
+                commit(self.directory, step, layout["ranks"], {"layout": layout}, self.keep)
+            except OSError as failure:
+                error = f"the index, rank {rank}: {failure}"
+        self._agree(error, root)  # the index too
+        return root if self.is_chief else None
+
+    def _agree(self, error, root):
+        """A barrier that also counts the ranks whose `error` is not None;
+        when there are any, removes the partial checkpoint `root` (the chief)
+        and raises `SaveFailed` on every rank."""
+        failed = float(self.distribution.allreduce_mean(tf.constant(float(error is not None))))
+        if not failed:
+            return
+        if self.is_chief:
+            shutil.rmtree(root, ignore_errors=True)
+        ranks = round(failed * self.distribution.num_workers)
+        raise SaveFailed(
+            f"the checkpoint {root} could not be written ({error or 'on another rank'}; "
+            f"{ranks} rank(s) failed); the latest checkpoint is still "
+            f"{latest(self.directory) or 'none'}"
+        )
 
     def restore_latest(self):
         """Restores the newest checkpoint into this rank's parts; returns its path or None."""

@@ -20,6 +20,8 @@ ZERO_STAGES = (0, 1, 2, 3)
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 PIPELINE_PARTITIONS = ("uniform", "balanced")
 ALLREDUCE_TRANSPORTS = ("auto", "shared-memory", "horovod")
+# How long a rank waits for a peer that stopped taking part (--collective-timeout).
+COLLECTIVE_TIMEOUT_SECONDS = 1800.0
 
 
 def check_pipeline_schedule(schedule, stages, microbatches, virtual_stages):
@@ -119,6 +121,14 @@ class HorovodOptions:
         check_batches: bool. Compare a fingerprint of every step's batch
             across each tensor group and pipeline (one allgather each), not
             only of the first step's: a debugging aid.
+        collective_timeout: float. Seconds the shared-memory average (data
+            parallelism on one host) waits for a peer that stopped taking
+            part before the run ends with an error naming it. Longer than
+            ranks ever drift apart: the chief alone writes the replicated
+            state of a checkpoint while the others wait (a GPT-2 XL's
+            weights and moments are 18 GB). Over Horovod's transport, Gloo's
+            transfer timeout (`HOROVOD_GLOO_TIMEOUT_SECONDS`, 30 s) ends a
+            transfer to a stopped peer.
     """
 
     CHOICES = {"zero_stage": ZERO_STAGES, "pipeline_schedule": PIPELINE_SCHEDULES,
@@ -138,12 +148,18 @@ class HorovodOptions:
     virtual_stages: int = 1
     pipeline_partition: str = "uniform"
     check_batches: bool = False
+    collective_timeout: float = COLLECTIVE_TIMEOUT_SECONDS
 
     def __post_init__(self):
         if not self.allreduce_bucket_mb >= 0:
             raise ValueError(
                 "`allreduce_bucket_mb` must be non-negative. "
                 f"Received: allreduce_bucket_mb={self.allreduce_bucket_mb!r}"
+            )
+        if not self.collective_timeout > 0:
+            raise ValueError(
+                "`collective_timeout` must be positive. "
+                f"Received: collective_timeout={self.collective_timeout!r}"
             )
         require_one_of("zero_stage", self.zero_stage, ZERO_STAGES)
         require_one_of("allreduce_transport", self.allreduce_transport, ALLREDUCE_TRANSPORTS)

@@ -25,6 +25,7 @@ SCHEDULES = ("cosine", "linear", "constant")
 OPTIMIZERS = ("adamw", "lamb")
 TASKS = ("auto", "clm", "mlm", "mlm+nsp", "mlm+sop")
 MONITOR_RULES = ("on", "off")
+PREEMPTION_SIGNALS = ("TERM", "USR1", "USR2", "INT", "off")  # tfgpt.resilience.preemption
 
 
 def require_one_of(name, value, allowed):
@@ -105,6 +106,15 @@ class RunConfig:
             communication-bound, low-utilisation, memory-growth,
             loss-not-falling, gradient-spike; `tfgpt.observe.monitor`).
             `off`: log the figures only.
+        preemption_signal: str. The signal a scheduler sends before it ends
+            the job (TERM, USR1, USR2, INT; `off` catches none): every rank
+            stops after the same step, saves its checkpoint and the process
+            exits with status 75, which deploy/slurm requeues; `--resume`
+            continues exactly (`tfgpt.resilience.preemption`).
+        preemption_grace: float. Seconds after the signal within which the
+            process ends, with or without the new checkpoint: less than
+            the scheduler's own grace (Slurm's KillWait and Kubernetes'
+            terminationGracePeriodSeconds are 30 s by default).
     """
 
     # Validation tables (not fields): each subclass extends them.
@@ -113,6 +123,7 @@ class RunConfig:
         "optimizer": OPTIMIZERS,
         "mixed_precision": MIXED_PRECISION,
         "monitor_rules": MONITOR_RULES,
+        "preemption_signal": PREEMPTION_SIGNALS,
     }
     POSITIVE_INTS: typing.ClassVar[tuple] = (
         "batch_size", "log_every", "keep_checkpoints", "accumulation_steps",
@@ -123,6 +134,7 @@ class RunConfig:
     NON_NEGATIVE_NUMBERS: typing.ClassVar[tuple] = (
         "weight_decay", "gradient_clip_norm", "final_learning_rate_ratio", "peak_flops",
     )
+    POSITIVE_NUMBERS: typing.ClassVar[tuple] = ("preemption_grace",)
     # The flag that sets the warmup, for the start-up warning.
     WARMUP_FLAG: typing.ClassVar[str] = "--warmup-steps"
 
@@ -151,6 +163,8 @@ class RunConfig:
     peak_flops: float = 0.0
     profile_steps: str = ""
     monitor_rules: str = "on"
+    preemption_signal: str = "TERM"
+    preemption_grace: float = 25.0
 
     def __post_init__(self):
         self.profile_range()  # validates profile_steps
@@ -169,6 +183,11 @@ class RunConfig:
             if not getattr(self, name) >= 0:
                 raise ValueError(
                     f"`{name}` must be non-negative. Received: {name}={getattr(self, name)!r}"
+                )
+        for name in self.POSITIVE_NUMBERS:
+            if not getattr(self, name) > 0:
+                raise ValueError(
+                    f"`{name}` must be positive. Received: {name}={getattr(self, name)!r}"
                 )
 
     def warmup_steps_of(self, steps):

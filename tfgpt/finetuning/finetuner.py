@@ -159,7 +159,7 @@ def finetune(config, model_overrides=None, distribution=None, callbacks=()):
         accumulation_steps=config.accumulation_steps,
         towers=towers,
         zero=zero,
-        compute_delay=sum(callback.compute_delay() for callback in callbacks),
+        compute_delay=loop.compute_delay(callbacks),
     )
 
     # Checkpoints: the chief saves model, optimizer, step and dropout state.

@@ -216,6 +216,14 @@ class HorovodDistribution(LocalDistribution):
         """
         options = options or HorovodOptions()
         os.environ.setdefault("HOROVOD_CYCLE_TIME", default_cycle_time(options))
+        if options.elastic:
+            # Horovod 0.28.1 keeps a worker's response cache (names of the
+            # collectives it has negotiated, by bit) across the re-formation's
+            # shutdown and init, while a worker that joins starts with none:
+            # the pair then ran collectives of different sizes and Gloo
+            # aborted, at every re-formation that added a worker. Without
+            # the cache every collective is negotiated by name.
+            os.environ.setdefault("HOROVOD_CACHE_CAPACITY", "0")
         distribution = cls(
             compression="fp16" if options.fp16_allreduce else "none",
             bucket_mb=options.allreduce_bucket_mb,
@@ -257,7 +265,8 @@ class HorovodDistribution(LocalDistribution):
             if self.num_workers > 1:
                 self.averaging = f"Horovod allreduce (not shared memory: {reason})"
             return
-        self._shared = shared_memory.SharedMemoryAllreduce(self._hvd)
+        self._shared = shared_memory.SharedMemoryAllreduce(
+            self._hvd, timeout_seconds=options.collective_timeout)
         self._shared_required = options.allreduce_transport == "shared-memory"
         self.averaging = f"shared memory ({self.num_workers} workers on one host)"
 
@@ -428,7 +437,14 @@ class HorovodDistribution(LocalDistribution):
                     f"(fingerprints {found}): they must compute on one batch")
 
     def allreduce_mean(self, value):
-        """Averages a tensor over all workers."""
+        """Averages a tensor over all workers: a float32 one through shared
+        memory when the gradients go there (microseconds, where Horovod's
+        allreduce waits up to its cycle time, 50 ms in such runs: the
+        preemption check after every step, the logging window's means and
+        the checkpoint barriers)."""
+        value = tf.convert_to_tensor(value)
+        if self._shared is not None and value.dtype == tf.float32:
+            return self._average_in_shared_memory([value])[0]
         return self._hvd.allreduce(value, op=self._hvd.Average, name=None)
 
     def broadcast_variables(self, variables):

@@ -36,11 +36,9 @@ import secrets
 import tensorflow as tf
 
 from tfgpt import kernels
+from tfgpt.config.distribution import COLLECTIVE_TIMEOUT_SECONDS
 
 SEGMENT_DIRECTORY = "/dev/shm"
-# A peer that is alive but has not arrived for this long ends the step: far
-# longer than any step, checkpoint or validation pass makes a peer wait.
-TIMEOUT_SECONDS = 1800.0
 
 _logger = logging.getLogger("tfgpt.parallel")
 
@@ -94,14 +92,15 @@ class SharedMemoryAllreduce:
 
     Args:
         hvd: `horovod.tensorflow`, initialised.
-        timeout_seconds: how long a rank waits for a live peer.
+        timeout_seconds: how long a rank waits for a live peer
+            (`--collective-timeout`).
 
     Raises (from a call's tracing):
         RuntimeError: a rank could not map the segment (the message says
             which error and on how many ranks).
     """
 
-    def __init__(self, hvd, timeout_seconds=TIMEOUT_SECONDS):
+    def __init__(self, hvd, timeout_seconds=COLLECTIVE_TIMEOUT_SECONDS):
 
         self._hvd = hvd
         self._library = kernels.library()

@@ -17,6 +17,14 @@ is RANK when the fault is due (an elastic run's ranks change):
   became RANK redoes the step and lives.
 - `STOP_AT_STEP` = "RANK:STEP": the worker of that rank stops itself
   (SIGSTOP) as it starts step STEP: a peer that hangs without dying.
+- `SIGNAL_AT_STEP` = "RANK:STEP": the worker of that rank sends itself
+  SIGTERM as it starts step STEP: a scheduler's preemption that reaches
+  one rank (`tfgpt.resilience.preemption`).
+- `WRITE_LIMIT_AT_STEP` = "RANK:STEP": once step STEP is done, the worker
+  of that rank can write no file past 4 KiB (its `RLIMIT_FSIZE`; a write
+  past it fails with EFBIG, as one onto a full disk fails with ENOSPC):
+  the checkpoint of STEP fails on that rank alone (`on_step_end`). The
+  limit stays for the rest of the process.
 - `RECORD_LOG` = "DIR": each worker of an elastic run appends one line per
   step to DIR/records-PID.txt: the formation, the step, the world size,
   its rank and `fingerprint` of each sequence of its batch
@@ -31,6 +39,7 @@ Example:
 
 import hashlib
 import os
+import resource
 import signal
 
 import tensorflow as tf
@@ -42,9 +51,12 @@ SLOW_COMPUTE = "TFGPT_FAULT_SLOW_COMPUTE"
 GROW_MIB = "TFGPT_FAULT_GROW_MIB"
 KILL_AT_STEP = "TFGPT_FAULT_KILL_AT_STEP"
 STOP_AT_STEP = "TFGPT_FAULT_STOP_AT_STEP"
+SIGNAL_AT_STEP = "TFGPT_FAULT_SIGNAL_AT_STEP"
+WRITE_LIMIT_AT_STEP = "TFGPT_FAULT_WRITE_LIMIT_AT_STEP"
 RECORD_LOG = "TFGPT_DEBUG_RECORD_LOG"
 _FAULTS = {KILL_AFTER_SAVE: "kill_after_save", SLOW_COMPUTE: "slow_compute",
-           GROW_MIB: "grow_mib", KILL_AT_STEP: "kill_at_step", STOP_AT_STEP: "stop_at_step"}
+           GROW_MIB: "grow_mib", KILL_AT_STEP: "kill_at_step", STOP_AT_STEP: "stop_at_step",
+           SIGNAL_AT_STEP: "signal_at_step", WRITE_LIMIT_AT_STEP: "write_limit_at_step"}
 
 
 def from_environment(distribution, environ=os.environ):
@@ -61,17 +73,19 @@ class FaultInjection(Callback):
             when a fault is due, and `allreduce_mean` is the barrier
             before the kill after a save).
         kill_after_save: str "STEP", or None.
-        slow_compute, grow_mib, kill_at_step, stop_at_step: str
-            "RANK:VALUE", or None.
+        slow_compute, grow_mib, kill_at_step, stop_at_step, signal_at_step,
+        write_limit_at_step: str "RANK:VALUE", or None.
     """
 
     def __init__(self, distribution, kill_after_save=None, slow_compute=None, grow_mib=None,
-                 kill_at_step=None, stop_at_step=None):
+                 kill_at_step=None, stop_at_step=None, signal_at_step=None,
+                 write_limit_at_step=None):
         self.distribution = distribution
         self._kill_after_save = int(kill_after_save) if kill_after_save else -1
         self._by_rank = {name: _rank_value(name, spec) for name, spec in (
             ("slow_compute", slow_compute), ("grow_mib", grow_mib),
-            ("kill_at_step", kill_at_step), ("stop_at_step", stop_at_step))}
+            ("kill_at_step", kill_at_step), ("stop_at_step", stop_at_step),
+            ("signal_at_step", signal_at_step), ("write_limit_at_step", write_limit_at_step))}
         self._started_steps = set()  # the steps this process has started
         self._kept = []
 
@@ -93,9 +107,15 @@ class FaultInjection(Callback):
             os.kill(os.getpid(), signal.SIGKILL)
         if self._for_rank("stop_at_step") == step:
             os.kill(os.getpid(), signal.SIGSTOP)
+        if self._for_rank("signal_at_step") == step:
+            os.kill(os.getpid(), signal.SIGTERM)
         self._started_steps.add(step)
 
     def on_step_end(self, step):
+        if self._for_rank("write_limit_at_step") == step:
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails instead
+            _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
         if self.grow_mib():
             self._kept.append(b"\1" * int(self.grow_mib() * 2**20))  # bytes written: resident
 

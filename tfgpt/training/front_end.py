@@ -10,6 +10,7 @@ parsed, so `--help` and flag errors never start TensorFlow.
 
 import importlib
 import os
+import socket
 import sys
 import traceback
 
@@ -23,7 +24,8 @@ class Command:
         core: str. `"module:function"`, called as `function(config,
             model_overrides=..., distribution=..., callbacks=...)`; the
             callbacks are the test-only faults the environment asks for
-            (`tfgpt.resilience.faults`).
+            (`tfgpt.resilience.faults`) and the preemption signal's
+            handler (`tfgpt.resilience.preemption`).
     """
 
     def __init__(self, flags, core):
@@ -36,35 +38,66 @@ class Command:
         return module.parse_flags(argv, description=description, options_class=options_class)
 
     def run(self, config, model_overrides, distribution):
-        """Runs the core; returns 0, 2 after one `error:` line on stderr, or 1
-        after the traceback of anything else (a failed collective, a peer
-        that died), so that the process still ends through `exit_after_run`.
+        """Runs the core; returns 0, 75 after a preemption signal stopped it
+        with a checkpoint (`tfgpt.resilience.preemption`), 2 after one
+        `error:` line on stderr (a refused setting, a diverged loss, a
+        checkpoint that could not be written), or 1 after the traceback of anything else
+        (a failed collective, a peer that died), so that the process still
+        ends through `exit_after_run`.
 
         `distribution` is a distribution object, or a callable that makes
         one (so that its refusals, such as sizes that do not fit the
         number of workers, are one `error:` line too).
         """
         # These start TensorFlow: not before the flags are parsed.
+        from tfgpt.checkpoint.run import SaveFailed
         from tfgpt.resilience import faults
-        from tfgpt.training.loop import TrainingDiverged
+        from tfgpt.resilience.preemption import PREEMPTED_STATUS, Preemption
+        from tfgpt.training.loop import StoppedEarly, TrainingDiverged
 
         module, name = self.core.split(":")
         core = getattr(importlib.import_module(module), name)
         try:
             if callable(distribution):
                 distribution = distribution()
-            core(config, model_overrides=model_overrides, distribution=distribution,
-                 callbacks=faults.from_environment(distribution))
-        except (ValueError, TrainingDiverged) as error:
+            with Preemption(distribution, config.preemption_signal,
+                            config.preemption_grace) as preemption:
+                core(config, model_overrides=model_overrides, distribution=distribution,
+                     callbacks=[*faults.from_environment(distribution), preemption])
+        except StoppedEarly as stopped:
+            print(f"{stopped}; exiting with status {PREEMPTED_STATUS}: run again with --resume "
+                  "to continue", file=sys.stderr)
+            return PREEMPTED_STATUS
+        except (ValueError, TrainingDiverged, SaveFailed) as error:
             print(f"error: {error}", file=sys.stderr)
             return 2
-        except Exception:  # noqa: BLE001 - reported, and the exit below must still come
+        except Exception as error:  # noqa: BLE001 - reported, and the exit below must still come
             # An exception left to the interpreter would end the process
             # through its normal teardown, which can wait forever on
             # Horovod's and TensorFlow's threads once a peer has died.
-            traceback.print_exc()
+            line = peer_failure(error, getattr(distribution, "rank", None))
+            if line:
+                print(f"error: {line}", file=sys.stderr)
+            else:
+                traceback.print_exc()
             return 1
         return 0
+
+
+# A line of what a collective raises when a peer died, hung or stopped:
+# the shared-memory average (its rank, its pid), Horovod's shutdown (its
+# stall check names the ranks that did not submit), Gloo's transfers.
+_PEER_FAILURES = ("shared-memory allreduce: rank", "Horovod has been shut down",
+                  "Timed out waiting", "Connection closed by peer")
+
+
+def peer_failure(error, rank):
+    """One line for an `error` that means a peer stopped taking part: this
+    rank and host, and the collective's own words; None for any other error."""
+    for line in str(getattr(error, "message", error)).splitlines():
+        if any(marker in line for marker in _PEER_FAILURES):
+            return f"rank {rank} on {socket.gethostname()}: a collective failed: {line.strip()}"
+    return None
 
 
 TRAIN = Command("tfgpt.training.flags", "tfgpt.training.trainer:train")

@@ -39,14 +39,27 @@ class TrainingDiverged(RuntimeError):
     """The loss became NaN or infinite."""
 
 
+class StoppedEarly(Exception):
+    """A callback stopped the run after a step; its checkpoint is saved.
+
+    Attributes: `reason` (the callback's words), `step`, `path` (the checkpoint).
+    """
+
+    def __init__(self, reason, step, path):
+        super().__init__(f"{reason}: stopped after step {step}, saved {path}")
+        self.reason, self.step, self.path = reason, step, path
+
+
 class Callback:
     """What a run does around its steps beside the loop's own work (`run_loop`).
 
     The loop calls every callback's `on_step_begin(step)` before step
     `step` reads its batch, `on_step_end(step)` once it is done (before its
-    logging and saving) and `on_save(step)` once its checkpoint is
-    committed. An elastic run's data position and commits, a global
-    order's cursor and the test-only fault injection
+    logging and saving), `should_stop(step)` after its logging and saving
+    (on every rank in the same order: it may run a collective), and
+    `on_save(step)` once a checkpoint is committed. An elastic run's data
+    position and commits, a global order's cursor, preemption
+    (`tfgpt.resilience.preemption`) and the test-only fault injection
     (`tfgpt.resilience.faults`) are callbacks.
     """
 
@@ -59,10 +72,20 @@ class Callback:
     def on_save(self, step):
         pass
 
+    def should_stop(self, step):
+        """None to go on; else the reason to save step `step` and stop
+        (the same on every rank): `run_loop` raises `StoppedEarly`."""
+        del step
+
     def compute_delay(self):
         """Seconds each forward pass starts late, inside the measured compute
         (the train step takes the sum; only fault injection sets it)."""
         return 0.0
+
+
+def compute_delay(callbacks):
+    """The seconds the callbacks delay each forward pass by, for `TrainStep(compute_delay=)`."""
+    return sum(callback.compute_delay() for callback in callbacks)
 
 
 class EachStep(Callback):
@@ -76,7 +99,10 @@ class EachStep(Callback):
 
 
 def existing_checkpoints(config):
-    """Whether `config.out` holds checkpoints; raises unless `config.resume`."""
+    """Whether `config.out` holds checkpoints; raises unless `config.resume`,
+    and when this process cannot write there: refused before training, not
+    at the first save."""
+    check_writable(config.out)
     found = latest(config.out) is not None
     if found and not config.resume:
         raise ValueError(
@@ -84,6 +110,24 @@ def existing_checkpoints(config):
             "that run, or choose another --out"
         )
     return found
+
+
+def check_writable(out):
+    """Raises ValueError unless this process can write in the directory `out`,
+    or, while it does not exist, in its nearest existing parent (where it
+    would be made): a probe file written and removed."""
+    existing = os.path.abspath(out)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ValueError(f"--out {out} cannot be written: {existing} is not a directory")
+    probe = os.path.join(existing, f".tfgpt-write-test-{os.getpid()}")
+    try:
+        with open(probe, "wb") as file:
+            file.write(b"\0")
+        os.remove(probe)
+    except OSError as error:
+        raise ValueError(f"--out {out} cannot be written: {error}") from None
 
 
 def towers_of(config, distribution):
@@ -307,7 +351,9 @@ def run_loop(config, distribution, report, *, model, optimizer, step, train_step
     rate, the gradient norm, tokens/s, sequences/s and MFU (with
     `perplexity`, exp(loss) too; under float16 the loss scale and the
     skipped steps). A NaN or infinite loss stops the run without saving.
-    Checkpoints every `save_every` steps and at the end.
+    Checkpoints every `save_every` steps and at the end; a callback's
+    `should_stop` ends the run after any step with a checkpoint and
+    `StoppedEarly`.
 
     Args:
         config: the run config (`tfgpt.config.training.RunConfig`).
@@ -434,8 +480,18 @@ def run_loop(config, distribution, report, *, model, optimizer, step, train_step
                 report.info(f"warning: {message}")
             window_steps, window_sums = 0, {}
             clock.reset()
-        if config.save_every and (current + 1) % config.save_every == 0 and not last:
+        saved_now = config.save_every and (current + 1) % config.save_every == 0 and not last
+        if saved_now:
             save(current + 1, float(step_metrics["loss"]))
+        reasons = [callback.should_stop(current + 1) for callback in callbacks]
+        reasons = [reason for reason in reasons if reason]
+        if reasons and not last:
+            path = (checkpointer.latest if saved_now
+                    else save(current + 1, float(step_metrics["loss"])))
+            stopped = StoppedEarly(", ".join(reasons), current + 1, path)
+            report.info(str(stopped))
+            report.close()
+            raise stopped
     if int(step.numpy()) > start or not checkpointer.latest:
         saved_path = save(int(step.numpy()), mean_loss)
         if saved_path:

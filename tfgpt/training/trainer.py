@@ -237,7 +237,7 @@ def train(train_config, model_overrides, distribution, callbacks=()):
             accumulation_steps=train_config.accumulation_steps,
             towers=towers,
             zero=zero,
-            compute_delay=sum(callback.compute_delay() for callback in callbacks),
+            compute_delay=loop.compute_delay(callbacks),
         )
 
     # Data: each worker reads its own part, in an order fixed by the seed
