@@ -46,7 +46,9 @@ class StoppedEarly(Exception):
     """
 
     def __init__(self, reason, step, path):
-        super().__init__(f"{reason}: stopped after step {step}, saved {path}")
+        # Only the chief has the committed checkpoint's path (`path` is None elsewhere).
+        saved = path or "this rank's part of the checkpoint"
+        super().__init__(f"{reason}: stopped after step {step}, saved {saved}")
         self.reason, self.step, self.path = reason, step, path
 
 
