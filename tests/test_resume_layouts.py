@@ -11,7 +11,9 @@ shape is in every other multi-process test). One process and five layouts
 write a checkpoint at step 2 and train on to step 4, with the same losses
 at every step within 1e-5; each layout's checkpoint is resumed on another
 layout from step 2, which must log the writer's losses at steps 3 and 4
-within 1e-5.
+within 1e-5. Global-norm clipping acts at every step, so each layout's
+norm must count every replica's, slice's, stage's and shard's part once:
+the writers log one process's gradient norms.
 
 The pairs (writer -> reader) cover every writer and every reader the
 checkpoint format distinguishes: row shards, tensor slices, pipeline
@@ -35,12 +37,13 @@ import pytest
 
 from tests.launch import REPO, launch_each, train_losses
 
+CLIP = 1.0  # below every step's gradient norm here: clipping acts at each step
 FLAGS = [
     "--steps", "4", "--save-every", "2", "--keep-checkpoints", "2", "--log-every", "1",
     "--dropout", "0.0", "--eval-batches", "3", "--peak-flops", "1e11",
     "--learning-rate", "3e-3", "--warmup-steps", "1", "--no-scale-learning-rate",
-    "--global-order", "--num-layers", "4", "--num-heads", "4", "--hidden-dim", "32",
-    "--intermediate-dim", "48", "--max-sequence-length", "16",
+    "--global-order", "--gradient-clip-norm", CLIP, "--num-layers", "4", "--num-heads", "4",
+    "--hidden-dim", "32", "--intermediate-dim", "48", "--max-sequence-length", "16",
     # Llama's switches (tfgpt.config.models.DECODER_PRESETS).
     "--norm", "rms", "--positions", "rotary", "--num-key-value-heads", "2",
     "--feedforward", "gated", "--activation", "silu", "--no-attention-bias",
@@ -87,13 +90,17 @@ def test_each_layout_resumes_another_layouts_checkpoint_with_the_uninterrupted_l
                                                  if LAYOUTS[writer][0] == ranks])
     _assert_three_d_zero_1_shards(outputs[8], tmp_path / "dp2xpp2xtp2-zero1")
     losses = {writer: train_losses(tmp_path / writer) for writer in writers}
+    norms = {writer: _gradient_norms(tmp_path / writer) for writer in writers}
     # The layouts are one computation: the writers agree with one process at every step.
     for writer in writers:
         assert sorted(losses[writer]) == [1, 2, 3, 4], writer
         for step in (1, 2, 3, 4):
             assert losses[writer][step] == pytest.approx(losses["one"][step], abs=1e-5), (
                 writer, step)
+            assert norms[writer][step] == pytest.approx(norms["one"][step], rel=1e-5), (
+                writer, step)
     assert losses["one"][4] < losses["one"][1]
+    assert min(norms["one"].values()) > CLIP  # clipping acted at every step
 
     for writer, reader in PAIRS:
         resumed = tmp_path / f"{writer}-on-{reader}"
@@ -132,6 +139,12 @@ def test_each_layout_resumes_another_layouts_checkpoint_with_the_uninterrupted_l
     tokens = tf.constant([[1, 2, 3, 4, 5]])
     np.testing.assert_allclose(load_model(str(tmp_path / "dp2xpp2xtp2-zero1"))[0](tokens),
                                load_model(str(tmp_path / "dp2"))[0](tokens), rtol=0, atol=1e-4)
+
+
+def _gradient_norms(run_dir):
+    """The gradient norm (before clipping) a run logged at each step."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["gradient_norm"] for r in records if r["split"] == "train"}
 
 
 def _assert_three_d_zero_1_shards(output, run_dir):
