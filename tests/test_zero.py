@@ -3,7 +3,8 @@
 The multi-process tests run `tests/hvd_scripts/zero_check.py` under
 `horovodrun` (each rank on its rows of the same global batches) and
 compare the final whole weights with one process trained on the whole
-global batches (`--global`) and with stage 0.
+global batches (`--global`) and with stage 0. Their runs share one
+launch per rank count (the module's fixture `zero_runs`).
 """
 
 import json
@@ -20,7 +21,6 @@ from tests.launch import (
     horovodrun,
     launch_each,
     run,
-    run_and_load,
     run_each,
     saved_weights,
 )
@@ -65,10 +65,6 @@ def test_state_bytes_per_stage_at_two_ranks():
 # ---- Equivalence with whole-state training -------------------------------------
 
 
-def _train(tmp_path, tag, ranks, *flags):
-    return run_and_load(SCRIPT, tmp_path, tag, ranks, *flags)
-
-
 _weights = saved_weights
 
 
@@ -82,16 +78,63 @@ def _assert_weights_close(results, oracle, atol, what):
                                        err_msg=f"{what}, rank {rank}, weight {index}")
 
 
+CLIP = ["--clip", "0.3"]
+LAMB = ["--optimizer", "lamb", "--clip", "0.3", "--accumulation", "2"]
+FLOAT16 = ["--precision", "float16", "--overflow-step", "2"]
+BFLOAT16 = ["--precision", "bfloat16"]
+# The equivalence runs, one launch per rank count (each launch pays the
+# processes' start-up once): tag -> flags.
+RUNS = {
+    0: {"global": CLIP, "lamb": LAMB, "adamw-accumulated": ["--accumulation", "2"]},
+    2: {
+        **{f"s{stage}": ["--stage", stage, *CLIP] for stage in range(4)},
+        # --xla compiles the forward and backward pass; the collectives stay outside.
+        "s2-xla": ["--stage", "2", "--xla", *CLIP],
+        "f16-s0": ["--stage", "0", *FLOAT16], "f16-s3": ["--stage", "3", *FLOAT16],
+        "bf16-s0": ["--stage", "0", *BFLOAT16], "bf16-s2": ["--stage", "2", *BFLOAT16],
+        # test_a_stage_3_checkpoint_...: the run to resume (it writes
+        # "checkpoint") and its uninterrupted oracle.
+        "straight": ["--stage", "3"],
+        "first-half": ["--stage", "3", "--stop-at", "3", "--checkpoint", "checkpoint"],
+    },
+    # 3 ranks: the tiny GPT's first dimensions (37, 7, 8, 24, ...) mostly do
+    # not divide by 3, and the 8-row tables leave one rank fewer rows.
+    3: {**{f"lamb-s{stage}": ["--stage", stage, *LAMB] for stage in (1, 2, 3)},
+        "recompute-s3": ["--stage", "3", "--recompute", "--accumulation", "2"],
+        # The two ranks' stage 3 checkpoint, each read from a copy of its own.
+        "resumed-3-3": ["--stage", "3", "--checkpoint", "copy"],
+        "resumed-3-1": ["--stage", "1", "--checkpoint", "copy"]},
+}
+
+
+@pytest.fixture(scope="module")
+def zero_runs(tmp_path_factory):
+    """`RUNS`, run: (the directory, {tag: the ranks' files}). A run's
+    `--checkpoint checkpoint` is DIRECTORY/checkpoint; `--checkpoint copy`
+    a copy of it made for that run before its launch."""
+    directory = tmp_path_factory.mktemp("zero")
+
+    def flags_of(tag, flags):
+        if flags[-2:] == ["--checkpoint", "copy"]:
+            copy = directory / f"copy-{tag}"
+            shutil.copytree(directory / "checkpoint", copy)
+            return [*flags[:-1], copy]
+        if flags[-2:] == ["--checkpoint", "checkpoint"]:
+            return [*flags[:-1], directory / "checkpoint"]
+        return flags
+
+    results = {}
+    for ranks, runs in RUNS.items():
+        results.update(run_each(SCRIPT, directory, ranks, [
+            (tag, *flags_of(tag, flags)) for tag, flags in runs.items()]))
+    return directory, results
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_stages_match_whole_state_and_one_process_adamw_with_clipping(tmp_path):
-    flags = ["--clip", "0.3"]
-    oracle = _train(tmp_path, "global", 0, *flags)[0]
-    runs = run_each(SCRIPT, tmp_path, 2, [
-        *[(f"s{stage}", "--stage", stage, *flags) for stage in range(4)],
-        # --xla compiles the forward and backward pass; the collectives stay outside.
-        ("s2-xla", "--stage", "2", "--xla", *flags),
-    ])
+def test_stages_match_whole_state_and_one_process_adamw_with_clipping(zero_runs):
+    _, runs = zero_runs
+    oracle = runs["global"][0]
     stage0 = runs["s0"]
     _assert_weights_close(stage0, oracle, 1e-5, "stage 0 against one process")
     for stage in (1, 2, 3):
@@ -106,19 +149,12 @@ def test_stages_match_whole_state_and_one_process_adamw_with_clipping(tmp_path):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_three_ranks_uneven_shards_lamb_accumulation_clipping_and_stage_3_recompute(tmp_path):
-    # 3 ranks: the tiny GPT's first dimensions (37, 7, 8, 24, ...) mostly do
-    # not divide by 3, and the 8-row tables leave one rank fewer rows.
-    lamb = ["--optimizer", "lamb", "--clip", "0.3", "--accumulation", "2"]
-    oracles = run_each(SCRIPT, tmp_path, 0, [("lamb", *lamb), ("adamw", "--accumulation", "2")])
-    runs = run_each(SCRIPT, tmp_path, 3, [
-        *[(f"lamb-s{stage}", "--stage", stage, *lamb) for stage in (1, 2, 3)],
-        ("recompute-s3", "--stage", "3", "--recompute", "--accumulation", "2"),
-    ])
+def test_three_ranks_uneven_shards_lamb_accumulation_clipping_and_stage_3_recompute(zero_runs):
+    _, runs = zero_runs
     for stage in (1, 2, 3):
-        _assert_weights_close(runs[f"lamb-s{stage}"], oracles["lamb"][0], 1e-5,
+        _assert_weights_close(runs[f"lamb-s{stage}"], runs["lamb"][0], 1e-5,
                               f"LAMB, stage {stage}, 3 ranks")
-    _assert_weights_close(runs["recompute-s3"], oracles["adamw"][0], 1e-5,
+    _assert_weights_close(runs["recompute-s3"], runs["adamw-accumulated"][0], 1e-5,
                           "stage 3 with --recompute")
 
 
@@ -144,13 +180,8 @@ def test_stage_3_gathers_one_block_after_another(tmp_path):
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_float16_overflow_is_skipped_by_every_rank_and_bfloat16_stage_2_matches_stage_0(
-        tmp_path):
-    float16 = ["--precision", "float16", "--overflow-step", "2"]
-    bfloat16 = ["--precision", "bfloat16"]
-    runs = run_each(SCRIPT, tmp_path, 2, [
-        ("f16-s0", "--stage", "0", *float16), ("f16-s3", "--stage", "3", *float16),
-        ("bf16-s0", "--stage", "0", *bfloat16), ("bf16-s2", "--stage", "2", *bfloat16),
-    ])
+        zero_runs):
+    _, runs = zero_runs
     for result in runs["f16-s0"] + runs["f16-s3"]:
         # 6 steps, one skipped: rank 0's loss alone was infinite at step 3.
         assert int(result["iterations"]) == 5
@@ -167,19 +198,20 @@ def test_float16_overflow_is_skipped_by_every_rank_and_bfloat16_stage_2_matches_
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_a_stage_3_checkpoint_of_two_ranks_resumes_on_one_and_three_and_back(tmp_path):
-    checkpoint, single = tmp_path / "checkpoint", tmp_path / "single"
-    # The resumes read copies: each must find the checkpoint as it was written.
+def test_a_stage_3_checkpoint_of_two_ranks_resumes_on_one_and_three_and_back(zero_runs,
+                                                                             tmp_path):
+    # Written by the fixture's two-rank launch: "first-half" stopped at
+    # step 3 with a checkpoint, "straight" the same run uninterrupted.
+    directory, first = zero_runs
+    checkpoint, single = directory / "checkpoint", tmp_path / "single"
+    # The resumes read copies: each must find the checkpoint as it was
+    # written (the fixture's three-rank launch resumed two of its own).
     copies = {(ranks, stage): tmp_path / f"copy-{ranks}-{stage}"
-              for ranks, stage in ((1, 3), (3, 3), (3, 1), (2, 0))}
+              for ranks, stage in ((1, 3), (2, 0))}
 
     def resume(ranks, stage):
         return (f"resumed-{ranks}-{stage}", "--stage", stage, "--checkpoint", copies[ranks, stage])
 
-    first = run_each(SCRIPT, tmp_path, 2, [
-        ("straight", "--stage", "3"),
-        ("first-half", "--stage", "3", "--stop-at", "3", "--checkpoint", checkpoint),
-    ])
     straight = first["straight"][0]
     index = json.loads((checkpoint / "ckpt-3" / "index.json").read_text())
     assert index["layout"]["ranks"] == 2
@@ -199,12 +231,12 @@ def test_a_stage_3_checkpoint_of_two_ranks_resumes_on_one_and_three_and_back(tmp
     results = run_each(SCRIPT, tmp_path, 1, [
         resume(1, 3), ("single-first-half", "--stage", "3", "--stop-at", "3",
                        "--checkpoint", single)])
-    results.update(run_each(SCRIPT, tmp_path, 3, [resume(3, 3), resume(3, 1)]))
+    results.update({tag: first[tag] for tag in ("resumed-3-3", "resumed-3-1")})
     results.update(run_each(SCRIPT, tmp_path, 2, [
         resume(2, 0), ("resumed-from-one", "--stage", "3", "--checkpoint", single)]))
     assert sorted(os.listdir(single / "ckpt-3")) == [
         "index.json", "rank-00000.json", "rank-00000.npz"]
-    for (ranks, stage) in copies:
+    for (ranks, stage) in [*copies, (3, 3), (3, 1)]:
         resumed = results[f"resumed-{ranks}-{stage}"]
         assert int(resumed[0]["start"]) == 3
         np.testing.assert_allclose(resumed[0]["losses"], straight["losses"][3:], rtol=0,
