@@ -10,7 +10,7 @@ process trained through `TrainStep` on the same batches (`--global`).
 import numpy as np
 import pytest
 
-from tests.launch import REPO, horovodrun, run_and_load, run_each, saved_weights
+from tests.launch import REPO, horovodrun, run_each, saved_weights
 
 SCRIPT = REPO / "tests" / "hvd_scripts" / "pipeline_check.py"
 
@@ -87,10 +87,6 @@ def test_stage_variables_cover_the_model_once_but_the_tied_table():
 # ---- Equivalence with one process ------------------------------------------------
 
 
-def _train(tmp_path, tag, ranks, *flags):
-    return run_and_load(SCRIPT, tmp_path, tag, ranks, *flags)
-
-
 _weights = saved_weights
 
 
@@ -106,57 +102,74 @@ def _assert_same_training(results, oracle, what):
         np.testing.assert_allclose(result["norms"], oracle["norms"], rtol=1e-5)
 
 
-@pytest.mark.distributed
-@pytest.mark.slow
-def test_each_schedule_two_pipelines_and_bfloat16_match_one_process(tmp_path):
-    clip = ["--clip", "0.3"]
-    oracles = run_each(SCRIPT, tmp_path, 0, [("global", *clip),
-                                             ("global-bf16", "--precision", "bfloat16")])
-    oracle = oracles["global"][0]
-    assert oracle["norms"][0] > 0.3  # clipping acts: the norm must be global to match
-    schedules = [("gpipe", []), ("1f1b", []), ("interleaved", ["--virtual-stages", "2"])]
-    runs = run_each(SCRIPT, tmp_path, 2, [
-        *[(name, "--schedule", name, "--microbatches", "4", *extra, *clip)
-          for name, extra in schedules],
+CLIP = ["--clip", "0.3"]
+SCHEDULES = [("gpipe", []), ("1f1b", []), ("interleaved", ["--virtual-stages", "2"])]
+# Untied head, 3 blocks split by FLOPs (the head's 2 V C on the last stage).
+UNTIED = ["--untied", "--layers", "3", "--partition", "balanced"]
+# M = 1 (fewer micro-batches than stages) and M = 3 (not divisible by P = 2).
+COUNTS = [("gpipe", "1"), ("1f1b", "1"), ("gpipe", "3"), ("1f1b", "3")]
+DROPOUT = ["--schedule", "1f1b", "--dropout", "0.2"]
+# The equivalence runs, one launch per rank count (each launch pays the
+# processes' start-up once): tag -> flags.
+RUNS = {
+    0: {"global": CLIP, "global-bf16": ["--precision", "bfloat16"], "global-untied": UNTIED},
+    2: {
+        **{name: ["--schedule", name, "--microbatches", "4", *extra, *CLIP]
+           for name, extra in SCHEDULES},
         # Horovod's alltoall has no bfloat16: the activations and their
         # gradients travel as their uint16 bits, so nothing is rounded twice.
-        ("bf16", "--precision", "bfloat16", "--schedule", "1f1b"),
-    ])
-    for name, _ in schedules:
+        "bf16": ["--precision", "bfloat16", "--schedule", "1f1b"],
+        **{f"{name}-{count}": ["--schedule", name, "--microbatches", count, *UNTIED]
+           for name, count in COUNTS},
+        "dropout-first": DROPOUT,
+    },
+    # 2 data-parallel replicas x 2 stages, each pipeline on half the rows;
+    # the stages' gradients averaged over the replicas, clipping by the
+    # norm over the whole model.
+    4: {"pp2-dp2": ["--stages", "2", "--microbatches", "3", *CLIP]},
+}
+
+
+@pytest.fixture(scope="module")
+def pipeline_runs(tmp_path_factory):
+    """`RUNS`, run: {tag: the ranks' files}."""
+    directory = tmp_path_factory.mktemp("pipeline")
+    results = {}
+    for ranks, runs in RUNS.items():
+        results.update(run_each(SCRIPT, directory, ranks, [
+            (tag, *flags) for tag, flags in runs.items()]))
+    return results
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_each_schedule_two_pipelines_and_bfloat16_match_one_process(pipeline_runs):
+    runs = pipeline_runs
+    oracle = runs["global"][0]
+    assert oracle["norms"][0] > 0.3  # clipping acts: the norm must be global to match
+    for name, _ in SCHEDULES:
         _assert_same_training(runs[name], oracle, name)
     # Micro-batches change where bfloat16 rounds: the losses agree to its precision.
-    np.testing.assert_allclose(runs["bf16"][1]["losses"], oracles["global-bf16"][0]["losses"],
+    np.testing.assert_allclose(runs["bf16"][1]["losses"], runs["global-bf16"][0]["losses"],
                                rtol=0, atol=2e-2)
-    # -np 4: 2 data-parallel replicas x 2 stages, each pipeline on half the
-    # rows; the stages' gradients averaged over the replicas, clipping by the
-    # norm over the whole model.
-    results = _train(tmp_path, "pp2-dp2", 4, "--stages", "2", "--microbatches", "3", *clip)
-    _assert_same_training(results, oracle, "2 pipelines of 2 stages")
+    _assert_same_training(runs["pp2-dp2"], oracle, "2 pipelines of 2 stages")
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_untied_balanced_and_awkward_microbatch_counts(tmp_path):
-    # M = 1 (fewer micro-batches than stages) and M = 3 (not divisible by
-    # P = 2), untied head, 3 blocks split by FLOPs (the head's 2 V C on the
-    # last stage).
-    flags = ["--untied", "--layers", "3", "--partition", "balanced"]
-    oracle = _train(tmp_path, "global", 0, *flags)[0]
-    counts = [("gpipe", "1"), ("1f1b", "1"), ("gpipe", "3"), ("1f1b", "3")]
-    runs = run_each(SCRIPT, tmp_path, 2, [
-        (f"{name}-{count}", "--schedule", name, "--microbatches", count, *flags)
-        for name, count in counts])
-    for name, count in counts:
-        _assert_same_training(runs[f"{name}-{count}"], oracle, f"{name} M={count}")
+def test_untied_balanced_and_awkward_microbatch_counts(pipeline_runs):
+    for name, count in COUNTS:
+        _assert_same_training(pipeline_runs[f"{name}-{count}"], pipeline_runs["global-untied"][0],
+                              f"{name} M={count}")
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_dropout_gives_the_same_losses_run_to_run(tmp_path):
-    flags = ["--schedule", "1f1b", "--dropout", "0.2"]
-    # Two processes: the masks must not depend on anything but the seeds.
-    first = _train(tmp_path, "first", 2, *flags)
-    runs = run_each(SCRIPT, tmp_path, 2, [("second", *flags), ("plain", "--schedule", "1f1b")])
+def test_dropout_gives_the_same_losses_run_to_run(pipeline_runs, tmp_path):
+    # Two launches (the fixture's and this one): the masks must not depend
+    # on anything but the seeds.
+    first = pipeline_runs["dropout-first"]
+    runs = run_each(SCRIPT, tmp_path, 2, [("second", *DROPOUT), ("plain", "--schedule", "1f1b")])
     second, plain = runs["second"], runs["plain"]
     np.testing.assert_array_equal(first[0]["losses"], second[0]["losses"])
     for a, b in zip(_weights(first[1]), _weights(second[1])):

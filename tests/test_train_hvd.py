@@ -6,7 +6,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.launch import REPO, checkpoint_tensors, horovodrun, run
+from tests.launch import MANY, REPO, checkpoint_tensors, horovodrun, run
 
 TINY_MODEL = [
     "--num-layers", "2", "--num-heads", "2", "--hidden-dim", "32",
@@ -162,18 +162,22 @@ def test_sigkill_and_resume_equals_an_uninterrupted_run(tiny_data, tmp_path, wor
                  "--peak-flops", "1e11", *TINY_MODEL, *extra]
         return flags + (["--elastic", "--commit-every", "4"] if elastic else [])
 
-    def launch(flags, env=None):
+    def launch(*flags):
         if workers == 1:
-            return run([sys.executable, *flags], env=env)
-        return horovodrun(2, *flags, env=env)
+            return run([sys.executable, *flags])
+        return horovodrun(2, *flags)
 
-    code, output = launch(command(tmp_path / "straight"))
-    assert code == 0, output
+    # The straight run, then the killed one, in one launch (tests/launch.py,
+    # launch_each): the kill ends it.
+    code, output = launch(MANY, REPO / "train_hvd.py", json.dumps([
+        [str(flag) for flag in command(tmp_path / "straight")[1:]],
+        {"argv": [str(flag) for flag in command(tmp_path / "killed")[1:]],
+         "env": {"TFGPT_FAULT_KILL_AFTER_SAVE": "6"}}]))
+    assert (tmp_path / "straight" / "ckpt-12" / "index.json").exists(), output
     assert elastic == ("warning: --elastic outside an elastic horovodrun" in output)
-    code, output = launch(command(tmp_path / "killed"), env={"TFGPT_FAULT_KILL_AFTER_SAVE": "6"})
     assert code != 0 and not (tmp_path / "killed" / "ckpt-12" / "index.json").exists(), output
     assert (tmp_path / "killed" / "ckpt-6" / "index.json").exists()
-    code, output = launch(command(tmp_path / "killed", "--resume"))
+    code, output = launch(*command(tmp_path / "killed", "--resume"))
     assert code == 0, output
     assert "resumed from" in output
     assert ("at step 6, data position 48 of the global order" if elastic
