@@ -206,6 +206,17 @@ def run_and_load(script, directory, tag, ranks, *flags):
     return _load(directory, tag, ranks)
 
 
+def _many(runs):
+    """`many.py`'s RUNS argument: `runs` as JSON, every argument a string."""
+
+    def item(run):
+        if isinstance(run, dict):
+            return dict(run, argv=[str(argument) for argument in run["argv"]])
+        return [str(argument) for argument in run]
+
+    return json.dumps([item(run) for run in runs])
+
+
 def launch_each(script, ranks, runs):
     """Runs `script` once for each argument list of `runs`, in one launch
     (`tests/hvd_scripts/many.py`): one after another in the same processes,
@@ -213,13 +224,16 @@ def launch_each(script, ranks, runs):
     {...}, "status": N}` (environment variables for that run alone, the
     status its `main` must return). `ranks` as `run_and_load`'s (no
     `--global` added). Returns the output."""
+    return _launch(ranks, MANY, script, _many(runs))
 
-    def item(run):
-        if isinstance(run, dict):
-            return dict(run, argv=[str(argument) for argument in run["argv"]])
-        return [str(argument) for argument in run]
 
-    return _launch(ranks, MANY, script, json.dumps([item(run) for run in runs]))
+def launch_until_killed(script, ranks, runs):
+    """`launch_each` whose last run kills its processes (a fault such as
+    `TFGPT_FAULT_KILL_AFTER_SAVE` in its `env`), so the launch fails:
+    returns (status, output) unchecked. `ranks` 1 is one process."""
+    if ranks == 1:
+        return run([sys.executable, MANY, script, _many(runs)])
+    return horovodrun(ranks, MANY, script, _many(runs))
 
 
 def run_each(script, directory, ranks, runs):

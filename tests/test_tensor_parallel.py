@@ -129,23 +129,36 @@ def _assert_slices_join_to(results, tensor, oracle, atol):
                                        err_msg=f"{name}, ranks {first}-{first + tensor - 1}")
 
 
+CASES = {
+    "tp2-clip": (2, ["--clip", "0.5"]),  # TP2: the clipping needs the global gradient norm
+    "tp2-untied": (2, ["--untied"]),  # a vocabulary-parallel lm_head of its own
+    # GPT-J's shape: rotary, a parallel residual, a split head bias, no attention biases.
+    "tp2-gptj": (2, ["--gptj"]),
+    "tp2-dp2-clip": (4, ["--clip", "0.5"]),  # TP2 x DP2: gradients averaged over the data groups
+}
+
+
+@pytest.fixture(scope="module")
+def tensor_runs(tmp_path_factory):
+    """The one-process oracles, `CASES` and the first dropout run: one
+    launch per rank count (each pays the processes' start-up once).
+    Returns {tag: the ranks' files}."""
+    directory = tmp_path_factory.mktemp("tensor")
+    runs = run_each(TRAIN_SCRIPT, directory, 0, [("one-clip", "--clip", "0.5"),
+                                                 ("one-untied", "--untied"),
+                                                 ("one-gptj", "--gptj")])
+    for ranks in (2, 4):
+        runs.update(run_each(TRAIN_SCRIPT, directory, ranks, [
+            *[(tag, "--tensor", "2", *flags) for tag, (size, flags) in CASES.items()
+              if size == ranks],
+            *([("dropout-first", "--dropout", "0.2")] if ranks == 2 else [])]))
+    return runs
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_tensor_parallel_training_matches_one_process(tmp_path):
-    cases = {
-        "tp2-clip": (2, ["--clip", "0.5"]),  # TP2: the clipping needs the global gradient norm
-        "tp2-untied": (2, ["--untied"]),  # a vocabulary-parallel lm_head of its own
-        # GPT-J's shape: rotary, a parallel residual, a split head bias, no attention biases.
-        "tp2-gptj": (2, ["--gptj"]),
-        "tp2-dp2-clip": (4, ["--clip", "0.5"]),  # TP2 x DP2: gradients averaged over the data groups
-    }
-    oracles = run_each(TRAIN_SCRIPT, tmp_path, 0, [("one-clip", "--clip", "0.5"),
-                                                   ("one-untied", "--untied"),
-                                                   ("one-gptj", "--gptj")])
-    runs = run_each(TRAIN_SCRIPT, tmp_path, 2, [
-        (tag, "--tensor", "2", *flags) for tag, (ranks, flags) in cases.items() if ranks == 2])
-    runs.update(run_each(TRAIN_SCRIPT, tmp_path, 4, [
-        (tag, "--tensor", "2", *flags) for tag, (ranks, flags) in cases.items() if ranks == 4]))
+def test_tensor_parallel_training_matches_one_process(tensor_runs):
+    cases, oracles, runs = CASES, tensor_runs, tensor_runs
     for tag, (ranks, flags) in cases.items():
         oracle = oracles[{"--untied": "one-untied", "--gptj": "one-gptj"}.get(
             flags[0], "one-clip")][0]
@@ -167,8 +180,10 @@ def test_tensor_parallel_training_matches_one_process(tmp_path):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_tensor_parallel_dropout_is_deterministic_and_equal_where_replicated(tmp_path):
-    first = _train(tmp_path, "first", 2, "--dropout", "0.2")
+def test_tensor_parallel_dropout_is_deterministic_and_equal_where_replicated(tensor_runs,
+                                                                            tmp_path):
+    # Two launches (the fixture's and this one).
+    first = tensor_runs["dropout-first"]
     second = _train(tmp_path, "second", 2, "--dropout", "0.2")
     np.testing.assert_array_equal(first[0]["losses"], second[0]["losses"])
     np.testing.assert_array_equal(first[1]["losses"], second[1]["losses"])

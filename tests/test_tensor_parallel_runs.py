@@ -1,10 +1,10 @@
-"""`train_hvd.py --tensor-parallel`: refusals, checkpoints, resuming on the same and other layouts."""
+"""`train_hvd.py --tensor-parallel`: refusals, checkpoints, resuming on the same layout."""
 
 
 import numpy as np
 import pytest
 
-from tests.launch import REPO, checkpoint_tensors, horovodrun, train_losses
+from tests.launch import REPO, checkpoint_tensors, horovodrun, launch_until_killed, train_losses
 from tfgpt.config import GPTConfig
 
 TINY_MODEL = [
@@ -78,16 +78,18 @@ def _command(data, run_dir, *extra, dropout="0.0"):
 @pytest.mark.slow
 def test_sigkill_and_resume_on_the_same_layout_is_bitwise(tiny_data, tmp_path):
     tensor = ["--tensor-parallel", "2"]
-    code, output = horovodrun(2, *_command(tiny_data, tmp_path / "straight", *tensor,
-                                           "--keep-checkpoints", "1", dropout="0.1"))
-    assert code == 0, output
+    killed = tmp_path / "killed"
+    # The straight run, then the killed one, in one launch: the kill ends it.
+    code, output = launch_until_killed(REPO / "train_hvd.py", 2, [
+        _command(tiny_data, tmp_path / "straight", *tensor, "--keep-checkpoints", "1",
+                 dropout="0.1")[1:],
+        {"argv": _command(tiny_data, killed, *tensor, dropout="0.1")[1:],
+         "env": {"TFGPT_FAULT_KILL_AFTER_SAVE": "6"}}])
     assert "layout: 2 rank(s) = data 1 x pipeline 1 x tensor 2" in output
     # The slices of a checkpoint no longer kept go with it.
     assert sorted(path.name for path in (tmp_path / "straight").glob("ckpt-*")) == ["ckpt-12"]
-    killed = tmp_path / "killed"
-    code, output = horovodrun(2, *_command(tiny_data, killed, *tensor, dropout="0.1"),
-                              env={"TFGPT_FAULT_KILL_AFTER_SAVE": "6"})
     assert code != 0 and not (killed / "ckpt-12" / "index.json").exists(), output
+    assert (killed / "ckpt-6" / "index.json").exists(), output
     code, output = horovodrun(2, *_command(tiny_data, killed, *tensor, "--resume",
                                            dropout="0.1"))
     assert code == 0, output

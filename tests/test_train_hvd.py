@@ -6,7 +6,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.launch import MANY, REPO, checkpoint_tensors, horovodrun, run
+from tests.launch import REPO, checkpoint_tensors, horovodrun, launch_until_killed, run
 
 TINY_MODEL = [
     "--num-layers", "2", "--num-heads", "2", "--hidden-dim", "32",
@@ -167,12 +167,10 @@ def test_sigkill_and_resume_equals_an_uninterrupted_run(tiny_data, tmp_path, wor
             return run([sys.executable, *flags])
         return horovodrun(2, *flags)
 
-    # The straight run, then the killed one, in one launch (tests/launch.py,
-    # launch_each): the kill ends it.
-    code, output = launch(MANY, REPO / "train_hvd.py", json.dumps([
-        [str(flag) for flag in command(tmp_path / "straight")[1:]],
-        {"argv": [str(flag) for flag in command(tmp_path / "killed")[1:]],
-         "env": {"TFGPT_FAULT_KILL_AFTER_SAVE": "6"}}]))
+    # The straight run, then the killed one, in one launch: the kill ends it.
+    code, output = launch_until_killed(REPO / "train_hvd.py", workers, [
+        command(tmp_path / "straight")[1:],
+        {"argv": command(tmp_path / "killed")[1:], "env": {"TFGPT_FAULT_KILL_AFTER_SAVE": "6"}}])
     assert (tmp_path / "straight" / "ckpt-12" / "index.json").exists(), output
     assert elastic == ("warning: --elastic outside an elastic horovodrun" in output)
     assert code != 0 and not (tmp_path / "killed" / "ckpt-12" / "index.json").exists(), output

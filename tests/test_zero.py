@@ -20,6 +20,7 @@ from tests.launch import (
     checkpoint_tensors,
     horovodrun,
     launch_each,
+    launch_until_killed,
     run,
     run_each,
     saved_weights,
@@ -257,12 +258,14 @@ def test_train_hvd_stage_3_sigkill_resume_is_bitwise_and_generate_reads_it(tiny_
                 "--dropout", "0.1", "--eval-batches", "1", "--peak-flops", "1e11",
                 "--zero-stage", "3", *TINY_MODEL, *extra]
 
-    code, output = horovodrun(2, *command(tmp_path / "straight"))
-    assert code == 0, output
+    # The straight run, then the killed one, in one launch: the kill ends it.
+    code, output = launch_until_killed(REPO / "train_hvd.py", 2, [
+        command(tmp_path / "straight")[1:],
+        {"argv": command(tmp_path / "killed")[1:], "env": {"TFGPT_FAULT_KILL_AFTER_SAVE": "4"}}])
+    assert (tmp_path / "straight" / "ckpt-8" / "index.json").exists(), output
     assert "state per rank (ZeRO stage 3, 2 rank(s))" in output
-    code, output = horovodrun(2, *command(tmp_path / "killed"),
-                              env={"TFGPT_FAULT_KILL_AFTER_SAVE": "4"})
     assert code != 0 and not (tmp_path / "killed" / "ckpt-8" / "index.json").exists(), output
+    assert (tmp_path / "killed" / "ckpt-4" / "index.json").exists(), output
     code, output = horovodrun(2, *command(tmp_path / "killed", "--resume"))
     assert code == 0, output
     assert "resumed from" in output and "next unseen batch" in output
