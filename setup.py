@@ -32,4 +32,6 @@ setup(
     ),
     python_requires=">=3.11",
     install_requires=read_requirements(HERE / "requirements.txt"),
+    # `tfgpt SUBCOMMAND`: tfgpt/__main__.py.
+    entry_points={"console_scripts": ["tfgpt = tfgpt.__main__:main"]},
 )

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -58,6 +59,13 @@ COMMANDS = [
     ("bench.throughput", [], {"--preset": PRESETS, "--configs": None}),
     ("bench.throughput", ["worker"], {"--framework": ["tf", "torch", "peak"],
                                       "--precision": ["fp32", "bf16"], "--preset": PRESETS}),
+    # `tfgpt SUBCOMMAND` runs the front end of each (tfgpt/__main__.py).
+    ("tfgpt", ["prepare"], {}),
+    ("tfgpt", ["train"], {}),
+    ("tfgpt", ["train", "--strategy", "mirrored"],
+     {"--strategy": ["default", "one-device", "mirrored", "multi-worker"]}),
+    ("tfgpt", ["finetune"], {}),
+    ("tfgpt", ["checkpoint"], {}),
 ]
 
 
@@ -105,3 +113,68 @@ def test_convert_help_lists_its_subcommands():
     assert report["code"] == 0 and not report["tensorflow"]
     listed = text.split("positional arguments:")[1]
     assert "to-tfgpt" in listed and "to-gpt2" in listed, text
+
+
+def test_tfgpt_lists_its_subcommands_and_runs_each_front_end():
+    from tfgpt.__main__ import STRATEGY_FRONT_ENDS, SUBCOMMANDS, module_of
+
+    text, _, report = _help("tfgpt", [])
+    assert report["code"] == 0 and not report["tensorflow"], text
+    listed = text.split("subcommands:")[1].split()
+    assert all(name in listed for name in SUBCOMMANDS), text
+    # train and finetune: the Horovod front end, or with --strategy the tf.distribute one.
+    assert module_of("train", ["--data", "d"]) == "train_hvd"
+    assert module_of("train", ["--strategy=mirrored"]) == STRATEGY_FRONT_ENDS["train"]
+    assert module_of("finetune", ["--strategy", "mirrored"]) == "finetune_mirrored"
+    for name, (module, _) in SUBCOMMANDS.items():
+        assert (REPO / module.replace(".", "/")).with_suffix(".py").exists() or (
+            REPO / module.replace(".", "/") / "__main__.py").exists(), (name, module)
+    # The console script (setup.py) is the same command; a wrong subcommand is one line.
+    script = Path(sys.executable).parent / "tfgpt"
+    result = subprocess.run([script, "nope"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "no subcommand 'nope'; choose from prepare, train" in result.stderr
+
+
+def test_tfgpt_checkpoint_counts_the_models_parameters_and_reads_it_back(tmp_path):
+    import tensorflow as tf
+
+    from tfgpt import GPT
+    from tfgpt.checkpoint import save_weights
+
+    model = GPT(vocabulary_size=37, num_layers=2, num_heads=2, hidden_dim=16,
+                intermediate_dim=24, max_sequence_length=8)
+    model(tf.constant([[1, 2, 3]]))
+    run_dir = tmp_path / "run"
+    save_weights(str(run_dir), model, step=3)
+    (run_dir / "ckpt-5").mkdir()  # a save that did not finish
+
+    def tfgpt(*arguments):
+        script = (f"import sys; from tfgpt.__main__ import main\n"
+                  f"try:\n    main({[str(argument) for argument in arguments]!r})\n"
+                  f"finally:\n    print('@@', 'tensorflow' in sys.modules)")
+        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                                cwd=REPO, timeout=120)
+        return result.returncode, result.stdout, result.stderr
+
+    code, output, errors = tfgpt("checkpoint", run_dir, "--keys")
+    assert code == 0, errors
+    assert output.rstrip().endswith("@@ False")  # read from the index alone
+    assert (f"{run_dir / 'ckpt-3'}: step 3, written by 1 rank(s) = data 1 x pipeline 1 x "
+            "tensor 1") in output, output
+    weights = model.weights
+    assert (f"model: {model.count_params():,} parameters in {len(weights)} tensor(s), "
+            f"{4 * model.count_params() / 1024:.1f} KiB") in output, output
+    assert "saves that did not finish (no index.json; resuming skips them): ckpt-5" in output
+    assert "  lm_head/kernel" not in output  # tied: the token table is the head
+    assert "  embeddings/token_embedding/embeddings  (37, 16) float32, 1 chunk(s) [model]" in output
+
+    code, output, errors = tfgpt("checkpoint", run_dir / "ckpt-3", "--verify")
+    assert code == 0, errors
+    assert f"verified: every one of the {len(weights)} tensor(s) reads whole" in output
+    (run_dir / "ckpt-3" / "rank-00000.npz").unlink()
+    code, output, errors = tfgpt("checkpoint", run_dir, "--verify")
+    assert code == 2 and errors.count("\n") == 1, errors
+    assert "its index names 1 chunk file(s) that are missing: rank-00000.npz" in errors
+    code, output, errors = tfgpt("checkpoint", tmp_path)
+    assert code == 2 and "no checkpoint (ckpt-S/index.json) in it" in errors, errors

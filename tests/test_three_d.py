@@ -133,7 +133,7 @@ def test_a_three_d_run_names_its_layout_resumes_bitwise_and_reads_whole(tiny_dat
     # the row-parallel layers' biases; the first stage the token table's
     # V/T rows and the position table, the last its copy of those rows and
     # the final norm.
-    from tfgpt.training.loop import byte_size
+    from tfgpt.cli import byte_size
 
     width, inner, vocabulary_rows, positions = 32, 48 // 2, 300 // 2, 16
     block = (4 * width + width * 3 * width // 2 + 3 * width // 2 + width // 2 * width + width

@@ -180,7 +180,7 @@ def _assert_rank_lines_show_shards(output, ranks):
     each rank trains, half its moments (and a float32 copy of that half)."""
     import re
 
-    from tfgpt.training.loop import byte_size
+    from tfgpt.cli import byte_size
 
     line = next(line for line in output.splitlines() if "; per rank: " in line)
     found = re.findall(r"trains ([\d,]+) of the ([\d,]+) parameters it holds: parameters "

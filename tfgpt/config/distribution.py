@@ -69,7 +69,7 @@ class HorovodOptions:
         zero_stage: int. Shard the training state over the workers (ZeRO):
             1 the optimizer moments, 2 also the gradients, 3 also the
             parameters, gathered block by block when used; 0 keeps all of
-            it on every worker (README, Splitting one model across workers).
+            it on every worker (docs/parallel.md).
             With --tensor-parallel, --pipeline-parallel or both only 1:
             each slice's, stage's or stage's slice's moments are sharded
             over its data replicas.
@@ -81,7 +81,7 @@ class HorovodOptions:
             world size, and so does the learning rate with
             --scale-learning-rate. The data is read in one global order
             and repartitioned at every change, so each training sequence
-            of an epoch is used once (README, Elastic training).
+            of an epoch is used once (docs/elastic.md).
         commit_every: int. With --elastic, steps between commits: copies
             of the whole training state and the data position in memory,
             what a lost worker sends the others back to. Separate from
@@ -92,14 +92,14 @@ class HorovodOptions:
             only); the other factor of the ranks is data parallelism. Must
             divide the ranks, the heads, the intermediate size and the
             vocabulary (round --vocabulary-size up to a multiple); 1 keeps
-            every block whole (README, Tensor parallelism). With
+            every block whole (docs/parallel.md, Tensor parallelism). With
             --pipeline-parallel P too, each stage's blocks are split: the
             N ranks are data x P x T, tensor groups innermost.
         pipeline_parallel: int. Pipeline stages: each of this many workers
             runs a contiguous part of the GPT's blocks (the embeddings with
             the first, the final norm, head and loss with the last), and
-            micro-batches flow through them (README, Splitting one model
-            across workers). 1: no pipeline. The number of workers must be a
+            micro-batches flow through them (docs/parallel.md, Pipeline
+            parallelism). 1: no pipeline. The number of workers must be a
             multiple: N workers run N / P pipelines side by side, each on
             its part of the data, each stage's gradients averaged over the
             pipelines.

@@ -65,7 +65,7 @@ class RunConfig:
             the allreduce between them; under tf.distribute the
             forward/backward pass). Off by default: on CPU, XLA's bfloat16
             matmuls are several times slower than the oneDNN kernels graph
-            mode uses (README, Performance).
+            mode uses (docs/training.md, --xla).
         mixed_precision: str. float16 (with dynamic loss scaling, logging
             `loss_scale` and `skipped_steps`) or bfloat16 activations;
             variables, logits and the loss stay float32 either way.

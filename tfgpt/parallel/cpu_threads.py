@@ -8,7 +8,7 @@ slices whose forward and backward passes are independent chains in one
 graph: K ops run at once, each on threads / K threads, and the gradients
 meet only where the variables' gradients are summed (`TrainStep`). On two
 cores two towers of one thread each measured 1.05-1.13x the one-chain step
-in float32 and 1.13-1.15x in bfloat16 (README, Performance).
+in float32 and 1.13-1.15x in bfloat16 (docs/training.md, --towers).
 """
 
 import tensorflow as tf

@@ -111,7 +111,7 @@ def exit_after_run(status):
     (checkpoints, config.json, metrics.jsonl, TensorBoard). What Python's
     normal exit does after that, tearing down TensorFlow's and Horovod's
     threads and objects, took seconds of idle time after the last log line
-    (README, Performance) and once ended a finished `horovodrun -np 2` run
+    (docs/logging.md; bench/RESULTS.md) and once ended a finished `horovodrun -np 2` run
     with a segmentation fault on one rank. So: flush the output, shut
     Horovod down if it runs and the run succeeded (every collective is done
     by now; after a failure a peer may be gone, and Horovod's shutdown would

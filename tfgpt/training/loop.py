@@ -24,6 +24,7 @@ from tfgpt import kernels
 from tfgpt.checkpoint import latest
 from tfgpt.checkpoint import run as checkpoint_run
 from tfgpt.checkpoint.state import replicated_optimizer_variables, run_entries
+from tfgpt.cli import byte_size
 from tfgpt.models.gpt import GPT
 from tfgpt.observe import flops, monitor
 from tfgpt.observe.profiling import StepProfiler
@@ -265,13 +266,6 @@ def broadcast_state(distribution, model, optimizer, step, zero):
     distribution.broadcast_variables(
         model.non_trainable_variables + replicated_optimizer_variables(optimizer) + [step]
     )
-
-
-def byte_size(count):
-    """`count` bytes in KiB below one MiB, in MiB, or in GiB from one on."""
-    if count < 2**20:
-        return f"{count / 2**10:.1f} KiB"
-    return f"{count / 2**30:.2f} GiB" if count >= 2**30 else f"{count / 2**20:.1f} MiB"
 
 
 def state_line(model, distribution, zero):

@@ -15,7 +15,7 @@ from tfgpt.parallel.pipeline_partition import check_partition
 from tfgpt.parallel.pipeline_schedule import PipelineSchedule
 from tfgpt.parallel.pipeline_stage import PipelineStage
 from tfgpt.parallel.zero import ZeroSharding, state_bytes
-from tfgpt.training.loop import byte_size
+from tfgpt.cli import byte_size
 
 
 def check_pipeline_sizes(config, options, model_config):
