@@ -4,9 +4,14 @@
 # Usage: scripts/build_horovod.sh [--force | --check-prereqs]
 #   (no flag)        build unless the stamp says this exact build is done and
 #                    `import horovod.tensorflow; hvd.init()` works
-#   --force          rebuild even if the stamp is current
+#   --force          rebuild even if the stamp is current (and the wheel cached)
 #   --check-prereqs  only check the system tools the build needs, then exit
 # PYTHON selects the interpreter (default: .venv/bin/python at the repo root).
+# The build is a wheel kept in TFGPT_CACHE_DIR (default ~/.cache/tfgpt)/horovod/
+# under a digest of what it was built from (Horovod, TensorFlow, Python, the
+# compiler, the machine, this recipe and its patches, the GPU operations): a
+# second clone or venv on the machine installs it in seconds instead of
+# building again. Delete the folder to build anew.
 # HOROVOD_GPU_OPERATIONS=NCCL builds the GPU allreduce with NCCL as well (the GPU
 # image, docker/Dockerfile.gpu); it needs nvcc and nccl.h. The CUDA and NCCL
 # location variables of Horovod's CMake (HOROVOD_CUDA_HOME, HOROVOD_NCCL_HOME,
@@ -123,6 +128,37 @@ if [[ "$MODE" == "build" && -f "$STAMP" && "$(cat "$STAMP")" == "$EXPECTED_STAMP
   log "stamp is current but 'import horovod.tensorflow; hvd.init()' fails: rebuilding"
 fi
 
+# The wheel cache: one folder per digest of what the build depends on.
+CACHE_ROOT="${TFGPT_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/tfgpt}/horovod"
+WHEEL_KEY="$({
+  echo "$EXPECTED_STAMP"
+  "$PYTHON" -c 'import sys, sysconfig; print(sys.version, sysconfig.get_platform())'
+  "${CXX:-g++}" --version 2>&1 | head -1
+  uname -m
+  env | grep -E '^(CXXFLAGS|CFLAGS|LDFLAGS|HOROVOD_[A-Z_]*(CUDA|NCCL)[A-Z_]*)=' | sort || true
+  sha256sum "$REPO_ROOT"/scripts/{build_horovod.sh,patch_horovod_checks.py,patch_horovod_elastic.py} \
+    | cut -d' ' -f1
+} | sha256sum | cut -c1-16)"
+WHEEL_DIR="$CACHE_ROOT/$WHEEL_KEY"
+
+install_cached_wheel() {
+  local wheel
+  wheel="$(compgen -G "$WHEEL_DIR/horovod-$HOROVOD_VERSION-*.whl" | head -1 || true)"
+  [[ -n "$wheel" ]] || return 1
+  log "installing the wheel built earlier on this machine: $wheel"
+  rm -f "$STAMP"
+  "$PYTHON" -m pip install --quiet --no-deps --force-reinstall "$wheel" || return 1
+  hvd_works || { log "the cached wheel does not load here: building anew"; return 1; }
+}
+
+if [[ "$MODE" == "build" ]] && install_cached_wheel; then
+  HOROVODRUN="$(dirname "$PYTHON")/horovodrun"
+  "$HOROVODRUN" --check-build >/dev/null 2>&1 || true  # fills the patched build checks
+  echo "$EXPECTED_STAMP" > "$STAMP"
+  log "horovod $HOROVOD_VERSION ready from the cache (no build); stamp: $STAMP"
+  exit 0
+fi
+
 CMAKE_BIN="$(dirname "$PYTHON")/cmake"
 if [[ ! -x "$CMAKE_BIN" ]]; then
   CMAKE_BIN="$(command -v cmake || true)"
@@ -233,7 +269,10 @@ log "  this compiles C++ against the TF headers and takes 2-5 minutes on 2 cores
 log "  (cmake $("$CMAKE_BIN" --version | head -1 | awk '{print $3}'), MAKEFLAGS=$MAKEFLAGS); full output: $LOG"
 
 start=$SECONDS
-"$PYTHON" -m pip install --verbose --no-build-isolation "$SRC_DIR" > "$LOG" 2>&1 &
+BUILT_DIR="$BUILD_DIR/horovod-wheel"
+rm -rf "$BUILT_DIR"
+"$PYTHON" -m pip wheel --verbose --no-build-isolation --no-deps -w "$BUILT_DIR" "$SRC_DIR" \
+  > "$LOG" 2>&1 &
 pip_pid=$!
 trap 'kill "$pip_pid" 2>/dev/null || true' INT TERM
 while kill -0 "$pip_pid" 2>/dev/null; do
@@ -253,9 +292,13 @@ if [[ "$rc" != "0" ]]; then
   echo "----- last 40 lines of $LOG -----" >&2
   tail -n 40 "$LOG" >&2
   echo "---------------------------------" >&2
-  die "step 'pip install horovod' failed (exit $rc) after $((SECONDS - start))s; full log: $LOG"
+  die "step 'pip wheel horovod' failed (exit $rc) after $((SECONDS - start))s; full log: $LOG"
 fi
 log "build finished in $((SECONDS - start))s"
+WHEEL="$(compgen -G "$BUILT_DIR/horovod-$HOROVOD_VERSION-*.whl" | head -1 || true)"
+[[ -n "$WHEEL" ]] || die "step 'pip wheel horovod' made no wheel in $BUILT_DIR; full log: $LOG"
+"$PYTHON" -m pip install --quiet --no-deps "$WHEEL" \
+  || die "step 'pip install $WHEEL' failed"
 
 if ! import_out="$("$PYTHON" -c 'import horovod, horovod.tensorflow as hvd; hvd.init(); print(f"horovod {horovod.__version__}, rank {hvd.rank()} of {hvd.size()}")' 2>&1)"; then
   echo "$import_out" >&2
@@ -272,4 +315,13 @@ if ! check_out="$("$HOROVODRUN" --check-build 2>&1)" \
 fi
 
 echo "$EXPECTED_STAMP" > "$STAMP"
+# Kept for the next clone or venv on this machine: copied, then renamed into
+# place, so a reader never finds half a wheel. A cache that cannot be written
+# costs only the next build.
+if mkdir -p "$WHEEL_DIR" 2>/dev/null && cp "$WHEEL" "$WHEEL_DIR/.partial" 2>/dev/null \
+    && mv "$WHEEL_DIR/.partial" "$WHEEL_DIR/$(basename "$WHEEL")"; then
+  log "wheel kept for later set-ups: $WHEEL_DIR/$(basename "$WHEEL")"
+else
+  log "could not keep the wheel in $WHEEL_DIR (the next set-up builds again)"
+fi
 log "horovod $HOROVOD_VERSION ready (TensorFlow + Gloo${GPU_OPERATIONS:+ + $GPU_OPERATIONS}); stamp: $STAMP"

@@ -24,6 +24,15 @@ REQ_STAMP="$VENV/.tfgpt-requirements.sha256"
 log() { echo "[setup] $*"; }
 die() { echo "[setup] ERROR: $*" >&2; exit 1; }
 start=$SECONDS
+# Each step's time, said when it ends and listed again at the end.
+step_start=$SECONDS
+TIMES=()
+step_done() {
+  local took=$((SECONDS - step_start))
+  TIMES+=("$1 ${took}s")
+  log "step '$1' took ${took}s"
+  step_start=$SECONDS
+}
 
 read -r -a REQ_FILES <<< "${TFGPT_REQUIREMENTS:-requirements.txt requirements-test.txt}"
 ((${#REQ_FILES[@]})) || die "TFGPT_REQUIREMENTS names no requirement file. Received: TFGPT_REQUIREMENTS='${TFGPT_REQUIREMENTS:-}'"
@@ -62,6 +71,8 @@ fi
 # --- 2. System tools for the Horovod build, checked before anything long ----
 PYTHON="$BASE_PY" "$REPO_ROOT/scripts/build_horovod.sh" --check-prereqs
 
+step_done "checks"
+
 # --- 3. The venv ---------------------------------------------------------------
 if [[ ! -x "$PY" ]]; then
   log "creating $VENV with $BASE_PY ($("$BASE_PY" --version 2>&1))"
@@ -72,6 +83,8 @@ if ! "$PY" -m pip --version >/dev/null 2>&1; then
   log "pip missing in $VENV: bootstrapping it with ensurepip"
   "$PY" -m ensurepip --upgrade >/dev/null || die "step 'python -m ensurepip' failed: apt-get install python3.11-venv"
 fi
+
+step_done "venv"
 
 # --- 4. Python packages ----------------------------------------------------------
 # setup.py and the list of top-level packages are in the stamp too: the
@@ -109,8 +122,11 @@ else
   log "python packages installed"
 fi
 
+step_done "python packages"
+
 # --- 5. Horovod -----------------------------------------------------------------
 PYTHON="$PY" "$REPO_ROOT/scripts/build_horovod.sh"
+step_done "horovod"
 
 # --- 6. tfgpt's fused CPU kernels (tfgpt/kernels/cc) ----------------------------
 # Compiled against the installed TensorFlow; skipped while their stamp matches
@@ -120,4 +136,7 @@ if [[ -d tfgpt/kernels/cc ]]; then
     || die "step 'python -m tfgpt.kernels.build' failed (compiler output above); tfgpt still runs without them (TFGPT_FUSED_KERNELS=0 silences the warning), only slower"
 fi
 
-log "done in $((SECONDS - start))s: use $PY (or 'make test')"
+step_done "kernels"
+
+summary="$(printf '%s, ' "${TIMES[@]}")"
+log "done in $((SECONDS - start))s (${summary%, }): use $PY (or 'make test')"

@@ -2,6 +2,7 @@
 
 import json
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -69,18 +70,21 @@ def test_fp16_allreduce_keeps_ranks_identical(tiny_data, tmp_path):
 
 
 @pytest.mark.distributed
-def test_train_hvd_entry_point_resumes_and_refuses_to_overwrite(tiny_data, tmp_path):
+def test_train_hvd_and_tfgpt_train_resume_and_refuse_to_overwrite(tiny_data, tmp_path):
     run_dir = tmp_path / "run"
-    base = [REPO / "train_hvd.py", "--data", tiny_data, "--out", run_dir,
-            "--batch-size", "4", "--log-every", "2", "--eval-batches", "2", *TINY_MODEL]
-    code, output = horovodrun(2, *base, "--steps", "4", "--save-every", "2")
+    flags = ["--data", tiny_data, "--out", run_dir, "--batch-size", "4", "--log-every", "2",
+             "--eval-batches", "2", *TINY_MODEL]
+    code, output = horovodrun(2, REPO / "train_hvd.py", *flags, "--steps", "4",
+                              "--save-every", "2")
     assert code == 0, output
     assert "validation loss" in output
     # The default 100 warmup steps outlast the run: said once, by rank 0 only.
     assert output.count("warning: --warmup-steps gives 100 warmup steps for a run of 4") == 1
-    code, output = run([sys.executable, *base, "--steps", "4"])
+    # `tfgpt train` is the same front end: the console script (setup.py) ...
+    code, output = run([Path(sys.executable).parent / "tfgpt", "train", *flags, "--steps", "4"])
     assert code == 2 and "pass --resume" in output, output
-    code, output = horovodrun(2, *base, "--steps", "6", "--resume")
+    # ... and `python -m tfgpt train` under horovodrun.
+    code, output = horovodrun(2, "-m", "tfgpt", "train", *flags, "--steps", "6", "--resume")
     assert code == 0, output
     assert "resumed from" in output and "ckpt-4" in output
     assert (run_dir / "ckpt-6" / "index.json").exists()

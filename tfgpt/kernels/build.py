@@ -9,7 +9,10 @@ instruction-set flags below and the flags TensorFlow reports
 to a stamp (`_tfgpt_kernels.json`) that records what it was built from:
 the sha256 of the base flags, the sources and the headers they share
 (`cc/*.h`), the TensorFlow version and the instruction-set flags. `make
-setup` runs this; a second run with nothing changed is a no-op.
+setup` runs this; a second run with nothing changed is a no-op. A copy
+of the library is kept in `TFGPT_CACHE_DIR` (default `~/.cache/tfgpt`)
+under the stamp, the compiler's version and the machine: another clone
+or venv on the machine takes it instead of compiling (`--force` compiles).
 `tfgpt.kernels` loads the library only while the stamp matches, and
 otherwise falls back to TensorFlow's own (slower) ops with a warning.
 
@@ -135,6 +138,38 @@ def is_current(tf_version, flags):
     )
 
 
+def _cache_path(stamp_fingerprint):
+    """Where a library of `stamp_fingerprint` built with this compiler on this
+    kind of machine is kept for other clones and venvs (`TFGPT_CACHE_DIR`,
+    `tfgpt.observe.flops.cache_directory`), or None without a compiler."""
+    from tfgpt.observe.flops import cache_directory
+
+    try:
+        version = subprocess.run([COMPILER, "--version"], capture_output=True, text=True,
+                                 timeout=60).stdout.splitlines()[:1]
+    except (OSError, subprocess.SubprocessError):
+        return None
+    key = json.dumps([stamp_fingerprint, version, platform.machine()], sort_keys=True)
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return os.path.join(cache_directory(), "kernels", digest, os.path.basename(LIBRARY))
+
+
+def _install(library, tf_version, flags, paths):
+    """Puts `library` (a built file) in place, then its stamp, each atomically:
+    an interrupted install leaves no stamp that matches a half-written library."""
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(STAMP)
+    os.replace(library, LIBRARY)
+    stamp = {
+        "fingerprint": fingerprint(tf_version, flags),
+        "requires_cpu_features": required_features(flags),
+        "sources": [os.path.basename(p) for p in paths],
+    }
+    with open(STAMP + ".partial", "w") as file:
+        json.dump(stamp, file, indent=2)
+    os.replace(STAMP + ".partial", STAMP)
+
+
 def _compile(command):
     result = subprocess.run(command, capture_output=True, text=True)
     return result.returncode, result.stderr
@@ -173,6 +208,12 @@ def build(force=False, jobs=None, log=print):
         paths = sources()
         if not paths:
             raise BuildError(f"no kernel sources (*.cc) in {SOURCE_DIR}")
+        cached = _cache_path(fingerprint(tf.__version__, flags))
+        if not force and cached and os.path.exists(cached):
+            shutil.copyfile(cached, LIBRARY + ".partial")
+            _install(LIBRARY + ".partial", tf.__version__, flags, paths)
+            log(f"[kernels] {LIBRARY}: the library built earlier on this machine ({cached})")
+            return LIBRARY
         compile_flags = tf.sysconfig.get_compile_flags()
         link_flags = tf.sysconfig.get_link_flags()
         common = [*BASE_FLAGS, *flags, *compile_flags]
@@ -198,20 +239,13 @@ def build(force=False, jobs=None, log=print):
             if code:
                 raise BuildError(f"linking {os.path.basename(LIBRARY)} failed (exit {code}):\n"
                                  + _tail(stderr))
-            # Library, then stamp, each replaced atomically: an interrupted
-            # build leaves no stamp that matches a half-written library.
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(STAMP)
-            os.replace(partial, LIBRARY)
-            stamp = {
-                "fingerprint": fingerprint(tf.__version__, flags),
-                "requires_cpu_features": required_features(flags),
-                "sources": [os.path.basename(p) for p in paths],
-            }
-            with open(STAMP + ".partial", "w") as file:
-                json.dump(stamp, file, indent=2)
-            os.replace(STAMP + ".partial", STAMP)
+            _install(partial, tf.__version__, flags, paths)
         log(f"[kernels] built {LIBRARY} in {time.perf_counter() - start:.0f} s")
+        if cached:  # kept for the next clone; a cache that cannot be written costs a build
+            with contextlib.suppress(OSError):
+                os.makedirs(os.path.dirname(cached), exist_ok=True)
+                shutil.copyfile(LIBRARY, cached + ".partial")
+                os.replace(cached + ".partial", cached)
         return LIBRARY
 
 

@@ -10,12 +10,12 @@ checkpoint format (`tfgpt.checkpoint`), which any layout resumes.
 
 import numpy as np
 
+from tfgpt.cli import byte_size
 from tfgpt.parallel.pipeline_executor import PipelineTrainStep
 from tfgpt.parallel.pipeline_partition import check_partition
 from tfgpt.parallel.pipeline_schedule import PipelineSchedule
 from tfgpt.parallel.pipeline_stage import PipelineStage
 from tfgpt.parallel.zero import ZeroSharding, state_bytes
-from tfgpt.cli import byte_size
 
 
 def check_pipeline_sizes(config, options, model_config):
