@@ -29,7 +29,7 @@ demo: setup
 # (May 2027), printed on every build; a warning of the build itself still fails it.
 docs:
 	test -x $(PYTHON) || $${TFGPT_PYTHON:-python3.11} -m venv .venv
-	$(PYTHON) -m pip install --quiet -r requirements-docs.txt
+	PYTHON=$(PYTHON) scripts/pip_install.sh --quiet -r requirements-docs.txt
 	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --site-dir build/site
 
 clean:

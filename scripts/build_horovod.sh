@@ -151,7 +151,7 @@ install_cached_wheel() {
     "$PYTHON" -m pip uninstall --yes --quiet horovod || return 1
   fi
   # With its dependencies (cloudpickle, psutil, ...), as the build installs it.
-  "$PYTHON" -m pip install --quiet "$wheel" || return 1
+  PYTHON="$PYTHON" "$REPO_ROOT/scripts/pip_install.sh" --quiet "$wheel" || return 1
   hvd_works || { log "the cached wheel does not load here: building anew"; return 1; }
 }
 
@@ -302,7 +302,7 @@ log "build finished in $((SECONDS - start))s"
 WHEEL="$(compgen -G "$BUILT_DIR/horovod-$HOROVOD_VERSION-*.whl" | head -1 || true)"
 [[ -n "$WHEEL" ]] || die "step 'pip wheel horovod' made no wheel in $BUILT_DIR; full log: $LOG"
 # With its dependencies (cloudpickle, psutil, pyyaml, ...): the wheel was built without them.
-"$PYTHON" -m pip install --quiet "$WHEEL" \
+PYTHON="$PYTHON" "$REPO_ROOT/scripts/pip_install.sh" --quiet "$WHEEL" \
   || die "step 'pip install $WHEEL' failed"
 
 if ! import_out="$("$PYTHON" -c 'import horovod, horovod.tensorflow as hvd; hvd.init(); print(f"horovod {horovod.__version__}, rank {hvd.rank()} of {hvd.size()}")' 2>&1)"; then

@@ -102,21 +102,27 @@ if [[ -f "$REQ_STAMP" && "$(cat "$REQ_STAMP")" == "$want_digest" ]]; then
   log "requirements unchanged since the last install: skipping pip"
 else
   rm -f "$REQ_STAMP"
-  log "upgrading pip, setuptools, wheel (Horovod builds with --no-build-isolation and needs them)"
+  log "upgrading pip, setuptools, wheel (Horovod builds with --no-build-isolation and needs them) and uv"
   "$PY" -m pip install --quiet --upgrade pip setuptools wheel \
     || die "step 'pip install --upgrade pip setuptools wheel' failed (see pip output above)"
-  log "installing ${REQ_FILES[*]} (TensorFlow is large: a few minutes on a fresh venv)"
+  # uv installs what pip would, in seconds from its cache (scripts/pip_install.sh);
+  # without it, pip does the same work more slowly.
+  if [[ "${TFGPT_INSTALLER:-uv}" == "uv" ]] \
+      && ! "$PY" -m pip install --quiet "uv>=0.13,<0.14"; then
+    log "uv could not be installed: installing with pip (slower; TFGPT_INSTALLER=pip says so)"
+  fi
+  log "installing ${REQ_FILES[*]} (TensorFlow is large: a few minutes on a fresh venv with pip)"
   req_args=()
   for req_file in "${REQ_FILES[@]}"; do req_args+=(-r "$req_file"); done
-  # Show what pip fetches and installs, not the wall of already-satisfied lines.
-  if ! "$PY" -m pip install --progress-bar off "${req_args[@]}" \
+  # Show what is fetched and installed, not pip's wall of already-satisfied lines.
+  if ! PYTHON="$PY" "$REPO_ROOT/scripts/pip_install.sh" "${req_args[@]}" 2>&1 \
       | { grep -v '^Requirement already satisfied' || true; }; then
-    die "step 'pip install ${req_args[*]}' failed (see pip output above)"
+    die "step 'pip install ${req_args[*]}' failed (see the output above)"
   fi
   if [[ -f setup.py ]]; then
     log "installing tfgpt in editable mode"
-    "$PY" -m pip install --quiet --no-deps -e . \
-      || die "step 'pip install -e . --no-deps' failed (see pip output above)"
+    PYTHON="$PY" "$REPO_ROOT/scripts/pip_install.sh" --quiet --no-deps -e . \
+      || die "step 'pip install -e . --no-deps' failed (see the output above)"
   fi
   echo "$want_digest" > "$REQ_STAMP"
   log "python packages installed"
