@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv/ at the repo root with Python 3.11, install the pinned stack
-# (requirements.txt, requirements-test.txt, tfgpt itself in editable mode) and
+# (requirements.txt, requirements-test.txt, requirements-docs.txt, tfgpt itself
+# in editable mode) and
 # build Horovod against it (scripts/build_horovod.sh), then tfgpt's fused CPU
 # kernels (python -m tfgpt.kernels.build).
 #
@@ -12,7 +13,8 @@
 #   TFGPT_VENV=/opt/venv            where the venv lives (default: .venv at the repo root)
 #   TFGPT_REQUIREMENTS="requirements.txt ..."
 #                                   the requirement files to install, relative to the
-#                                   repo root (default: requirements.txt requirements-test.txt)
+#                                   repo root (default: requirements.txt requirements-test.txt
+#                                   requirements-docs.txt)
 set -euo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -34,7 +36,7 @@ step_done() {
   step_start=$SECONDS
 }
 
-read -r -a REQ_FILES <<< "${TFGPT_REQUIREMENTS:-requirements.txt requirements-test.txt}"
+read -r -a REQ_FILES <<< "${TFGPT_REQUIREMENTS:-requirements.txt requirements-test.txt requirements-docs.txt}"
 ((${#REQ_FILES[@]})) || die "TFGPT_REQUIREMENTS names no requirement file. Received: TFGPT_REQUIREMENTS='${TFGPT_REQUIREMENTS:-}'"
 for req_file in "${REQ_FILES[@]}"; do
   [[ -f "$req_file" ]] \

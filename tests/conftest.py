@@ -36,7 +36,9 @@ def pytest_collection_modifyitems(config, items):
     (bench/RESULTS.md, "Test suite"). Under `--dist loadgroup`
     (scripts/run_tests.sh) they are one group, which one worker takes
     first, in file order, the slow ones first; the other worker takes the
-    single-process tests, the slow ones first.
+    single-process tests, the slow ones first. A module that names its own
+    group keeps it: tests/test_docs_examples.py, whose few small
+    `horovodrun -np 2` runs fit beside the single-process tests.
     """
 
     def kind(item):
@@ -47,7 +49,7 @@ def pytest_collection_modifyitems(config, items):
     if not config.pluginmanager.hasplugin("xdist"):
         return
     for item in items:
-        if item.get_closest_marker("distributed"):
+        if item.get_closest_marker("distributed") and not item.get_closest_marker("xdist_group"):
             item.add_marker(pytest.mark.xdist_group("processes"))
 
 

@@ -9,8 +9,9 @@ What is checked instead:
 - The install path is shared: each image installs Python packages only by
   running scripts/setup.sh (the script `make setup` runs, which builds Horovod
   with scripts/build_horovod.sh), with the requirement files setup.sh installs
-  minus requirements-test.txt, plus, for the GPU image, a file that only adds
-  an extra to a package of requirements.txt at the same version. A `pip
+  minus requirements-test.txt and requirements-docs.txt, plus, for the GPU
+  image, a file that only adds an extra to a package of requirements.txt at
+  the same version. A `pip
   install` typed into a Dockerfile fails these tests.
 - The GPU base image's CUDA and Horovod's kernel list match the CUDA and GPU
   generations the installed TensorFlow was built for.
@@ -284,9 +285,11 @@ def test_image_installs_what_make_setup_installs(image):
     env = env_of(DOCKERFILES[image])
     image_files = env["TFGPT_REQUIREMENTS"].split()
     make_setup_files = setup_sh_default_requirements()
-    assert make_setup_files == ["requirements.txt", "requirements-test.txt"]
-    # All of make setup's files but the test suite's...
-    assert [f for f in make_setup_files if f != "requirements-test.txt"] == image_files[:1]
+    assert make_setup_files == [
+        "requirements.txt", "requirements-test.txt", "requirements-docs.txt"]
+    # All of make setup's files but the test suite's and the docs' site's...
+    assert [f for f in make_setup_files
+            if f not in ("requirements-test.txt", "requirements-docs.txt")] == image_files[:1]
     # ...and extras that only add an extra to a package of requirements.txt, at its version.
     runtime = read_requirements(REPO / "requirements.txt")
     extras = image_files[1:]
