@@ -41,9 +41,59 @@ class ActivatedDense(keras.layers.Dense):
             )
         super().__init__(units, activation=None, **kwargs)
         self.activation_name = activation
+        self.adapter_rank = 0  # no adapter (`enable_adapter`)
+
+    def enable_adapter(self, rank, alpha, dropout=0.0):
+        """Adds a low-rank adapter (LoRA, Hu et al. 2021) and freezes the layer's own weights.
+
+        The output becomes `x W + (alpha / rank) dropout(x) A B (+ bias)`:
+        `adapter_a` (input width, rank) starts as PEFT's (Kaiming uniform,
+        a = sqrt(5)), `adapter_b` (rank, units) at zero, so the layer's output
+        is unchanged until B trains. `kernel` and `bias` stop being trainable.
+        (Keras's own `enable_lora` folds A B into the kernel at every call,
+        whose gradient is then a whole kernel's; here it stays two thin
+        products, and dropout applies to the adapter's input.)
+        """
+        if not self.built:
+            raise ValueError(f"{self.name}: build the layer before adding an adapter")
+        if self.adapter_rank:
+            raise ValueError(f"{self.name} has an adapter already")
+        if rank < 1 or alpha <= 0 or not 0.0 <= dropout < 1.0:
+            raise ValueError(
+                "An adapter needs rank >= 1, alpha > 0 and dropout in [0, 1). "
+                f"Received: rank={rank}, alpha={alpha}, dropout={dropout} ({self.name})")
+        fan_in = self._kernel.shape[0]
+        self._tracker.unlock()
+        # PEFT's kaiming_uniform_(a=sqrt(5)): bound = 1 / sqrt(fan_in).
+        bound = 1.0 / fan_in ** 0.5
+        self.adapter_a = self.add_weight(
+            name="adapter_a", shape=(fan_in, rank), dtype=self.variable_dtype,
+            initializer=keras.initializers.RandomUniform(-bound, bound))
+        self.adapter_b = self.add_weight(
+            name="adapter_b", shape=(rank, self.units), dtype=self.variable_dtype,
+            initializer="zeros")
+        self.adapter_dropout = keras.layers.Dropout(dropout, dtype=self.dtype_policy,
+                                                    name="adapter_dropout")
+        self._tracker.lock()
+        self._kernel.trainable = False
+        if self.bias is not None:
+            self.bias.trainable = False
+        self.adapter_rank, self.adapter_scale = rank, alpha / rank
+
+    def adapter_delta(self):
+        """The adapter's `(alpha / rank) A B`, the size of the kernel (what merging adds)."""
+        return self.adapter_scale * keras.ops.matmul(self.adapter_a, self.adapter_b)
+
+    def adapter_output(self, inputs, training=None):
+        """`(alpha / rank) dropout(inputs) A B`, the adapter's share of the output."""
+        x = self.adapter_dropout(inputs, training=training)
+        x = keras.ops.matmul(keras.ops.matmul(x, self.adapter_a), self.adapter_b)
+        return x * keras.ops.cast(self.adapter_scale, x.dtype)
 
     def call(self, inputs, training=None):
         x = keras.ops.matmul(inputs, self.kernel)
+        if self.adapter_rank:
+            x = x + self.adapter_output(inputs, training=training)
         if self.activation_name in _GELU_APPROXIMATE and self.bias is not None:
             return kernels.bias_gelu(
                 x, self.bias, approximate=_GELU_APPROXIMATE[self.activation_name]

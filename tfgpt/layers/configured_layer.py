@@ -2,6 +2,7 @@
 
 import keras
 
+from tfgpt.layers.activated_dense import ActivatedDense
 from tfgpt.layers.layer_norm import LayerNorm
 
 
@@ -50,7 +51,7 @@ class ConfiguredLayer(keras.layers.Layer):
         config.update({name: getattr(self, name) for name in self._config_names})
         return config
 
-    def _dense(self, units, name, initializer=None, dense_class=keras.layers.Dense, **kwargs):
+    def _dense(self, units, name, initializer=None, dense_class=ActivatedDense, **kwargs):
         """A `dense_class` projection; with `initializer=None` one of its own."""
         return dense_class(
             units,

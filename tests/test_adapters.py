@@ -1,0 +1,126 @@
+"""Low-rank adapters (tfgpt.models.adapters): the NumPy formula, the base model
+untouched, only the adapters trained, and the merged model equal to the adapted one."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests import model_contract as contract
+from tfgpt import GPT
+from tfgpt.layers.activated_dense import ActivatedDense
+from tfgpt.models.adapters import TARGETS, adapter_variables, add_adapters, merged
+
+RANK, ALPHA = 3, 6.0
+
+
+def tiny(**overrides):
+    return GPT(**contract.tiny_fields(**overrides))
+
+
+def ids(seed=0, batch=2, length=5):
+    return np.random.default_rng(seed).integers(0, contract.VOCAB, (batch, length)).astype("int32")
+
+
+def train_adapters(model, steps=4, seed=0):
+    """A few AdamW steps on the next-token loss of random ids; returns the optimizer."""
+    optimizer = tf.keras.optimizers.AdamW(learning_rate=0.05)
+    optimizer.build(model.trainable_variables)
+    for step in range(steps):
+        batch = ids(seed + step, length=6)
+        with tf.GradientTape() as tape:
+            logits = model(batch[:, :-1], training=True)
+            loss = tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(
+                batch[:, 1:], logits, from_logits=True))
+        gradients = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+    return optimizer
+
+
+def test_one_adapted_projection_follows_the_formula():
+    # Oracle: x W + (alpha / r) x A B + b in NumPy, A and B set to random values.
+    layer = ActivatedDense(7, activation="relu")
+    layer.build((None, 5))
+    layer.enable_adapter(RANK, ALPHA)
+    rng = np.random.default_rng(0)
+    a, b = rng.normal(size=(5, RANK)), rng.normal(size=(RANK, 7))
+    layer.adapter_a.assign(a)
+    layer.adapter_b.assign(b)
+    layer.bias.assign(rng.normal(size=7))
+    x = rng.normal(size=(2, 4, 5)).astype("float32")
+    expected = np.maximum(x @ layer.kernel.numpy() + ALPHA / RANK * (x @ a @ b)
+                          + layer.bias.numpy(), 0)
+    np.testing.assert_allclose(layer(x).numpy(), expected, rtol=1e-5, atol=1e-5)
+    assert not layer.kernel.trainable and not layer.bias.trainable
+    assert [v.path.rsplit("/", 1)[-1] for v in layer.trainable_variables] == [
+        "adapter_a", "adapter_b"]
+
+
+@pytest.mark.parametrize("fields, targets, expected", [
+    ({}, ("query_key_value", "output_projection"), {"query_key_value", "output_projection"}),
+    # Llama-shaped: grouped-query attention has no fused projection.
+    ({"feedforward": "gated", "activation": "silu", "norm": "rms", "positions": "rotary",
+      "num_key_value_heads": 1, "tie_embeddings": False}, TARGETS,
+     {"query", "key_value", "output_projection", "feedforward_gate",
+      "feedforward_intermediate", "feedforward_output"}),
+])
+def test_adapters_start_at_the_base_model_and_only_they_train(fields, targets, expected):
+    model = tiny(**fields)
+    batch = ids()
+    before = model(batch).numpy()
+    base = {v.path: v.numpy() for v in model.variables}
+    adapted = add_adapters(model, RANK, ALPHA, targets=targets)
+    names = {layer.name for layer in adapted}
+    assert names == expected
+    assert len(adapted) == contract.LAYERS * len(names)
+    # At initialisation B is zero: the very same logits.
+    np.testing.assert_array_equal(model(batch).numpy(), before)
+    assert model.trainable_variables == adapter_variables(model)
+    assert len(model.trainable_variables) == 2 * len(adapted)
+
+    optimizer = train_adapters(model)
+    # Frozen: every base weight bit for bit; optimizer moments only for the adapters.
+    for variable in model.variables:
+        if variable.path in base and "seed_generator" not in variable.path:
+            np.testing.assert_array_equal(variable.numpy(), base[variable.path], variable.path)
+    moments = [v for v in optimizer.variables if v.shape.rank]
+    assert len(moments) == 2 * len(model.trainable_variables)
+    assert sum(int(np.prod(v.shape)) for v in moments) == 2 * sum(
+        int(np.prod(v.shape)) for v in adapter_variables(model))
+    assert not np.array_equal(model(batch).numpy(), before)  # B moved
+
+    # Merged: a plain model (no adapters) with the same logits.
+    plain = merged(model)
+    assert not adapter_variables(plain)
+    np.testing.assert_allclose(plain(batch).numpy(), model(batch).numpy(), atol=1e-5)
+
+
+def test_adapter_dropout_acts_in_training_only():
+    model = tiny(dropout=0.0)
+    add_adapters(model, RANK, ALPHA, dropout=0.5)
+    train_adapters(model, steps=2)
+    batch = ids()
+    plain = merged(model)
+    np.testing.assert_allclose(plain(batch).numpy(), model(batch, training=False).numpy(),
+                               atol=1e-5)
+    assert not np.allclose(model(batch, training=True).numpy(),
+                           model(batch, training=False).numpy(), atol=1e-4)
+
+
+@pytest.mark.parametrize("targets, message", [
+    (("c_attn",), "no projection is named 'c_attn': adapter targets are query_key_value"),
+    (("feedforward_gate",), "name no projection of this model, which has feedforward_"),
+])
+def test_a_target_that_names_no_layer_is_one_line(targets, message):
+    with pytest.raises(ValueError, match=message) as raised:
+        add_adapters(tiny(), RANK, ALPHA, targets=targets)
+    assert "\n" not in str(raised.value)
+
+
+def test_bad_adapter_settings_are_refused():
+    layer = ActivatedDense(4)
+    layer.build((None, 3))
+    with pytest.raises(ValueError, match="rank >= 1, alpha > 0 and dropout in"):
+        layer.enable_adapter(0, ALPHA)
+    layer.enable_adapter(RANK, ALPHA)
+    with pytest.raises(ValueError, match="has an adapter already"):
+        layer.enable_adapter(RANK, ALPHA)

@@ -1,0 +1,90 @@
+"""Low-rank adapters (LoRA, Hu et al. 2021) on a model's projections: add, merge.
+
+`add_adapters(model, rank, alpha, dropout, targets)` freezes every weight of
+`model` and gives each projection that `targets` names two trainable
+matrices A (input width x rank) and B (rank x output width), B at zero:
+the model's outputs are unchanged until training moves B
+(`ActivatedDense.enable_adapter`). Only the adapters are then in
+`model.trainable_variables`, so an optimizer built on them holds state for
+them alone. `merged(model)` returns a new model without adapters whose
+kernels hold `W + (alpha / rank) A B`: the same outputs, for
+`tfgpt.export` or a Hugging Face directory.
+
+Targets are the projections' layer names in tfgpt's blocks: the fused
+`query_key_value` (or `query` and `key_value` under grouped-query
+attention), `output_projection`, and the feed-forward layer's
+`feedforward_gate` (gated MLPs), `feedforward_intermediate` and
+`feedforward_output`. GPT-2's `c_attn`, `c_proj` and `c_fc` are
+`query_key_value`, `output_projection` / `feedforward_output` and
+`feedforward_intermediate`.
+
+Example:
+>>> model = GPT.from_preset("gpt-demo", vocabulary_size=300)
+>>> adapted = add_adapters(model, rank=4, alpha=8)
+>>> [v.path.rsplit("/", 2)[-2:] for v in model.trainable_variables][:2]
+[['query_key_value', 'adapter_a'], ['query_key_value', 'adapter_b']]
+"""
+
+import keras
+
+from tfgpt.checkpoint.state import key_names, model_entries, relative_key
+from tfgpt.layers.activated_dense import ActivatedDense
+
+TARGETS = ("query_key_value", "query", "key_value", "output_projection", "feedforward_gate",
+           "feedforward_intermediate", "feedforward_output")
+DEFAULT_TARGETS = ("query_key_value", "query", "key_value", "output_projection")
+
+
+def _projections(model):
+    """`[(name, layer)]` of the model's projections that can take an adapter, in model order."""
+    return [(layer.name, layer) for layer in model._flatten_layers()
+            if isinstance(layer, ActivatedDense) and layer.name in TARGETS]
+
+
+def add_adapters(model, rank=8, alpha=16.0, dropout=0.0, targets=DEFAULT_TARGETS):
+    """Freezes `model` and adds an adapter to each projection named in `targets`.
+
+    Returns the adapted layers. Raises ValueError, in one line, for a target
+    that names no projection of the model (the names it has are listed), and
+    for a model split across a tensor group (not supported yet).
+    """
+    if getattr(model, "tensor_slice", None) is not None:
+        raise ValueError("adapters on a tensor-parallel model are not supported yet: "
+                         "add them to the whole model")
+    projections = _projections(model)
+    present = {name for name, _ in projections}
+    unknown = [target for target in targets if target not in TARGETS]
+    if unknown:
+        raise ValueError(f"no projection is named {unknown[0]!r}: adapter targets are "
+                         f"{', '.join(TARGETS)}; this model has {', '.join(sorted(present))}")
+    if not present & set(targets):
+        raise ValueError(f"the adapter targets {', '.join(targets)} name no projection of this "
+                         f"model, which has {', '.join(sorted(present))}")
+    for variable in model.variables:
+        variable.trainable = False
+    adapted = [layer for name, layer in projections if name in targets]
+    for layer in adapted:
+        layer.enable_adapter(rank, alpha, dropout)
+    return adapted
+
+
+def adapter_variables(model):
+    """The adapters' A and B matrices of `model`, in model order."""
+    return [v for v in model.variables if v.path.rsplit("/", 1)[-1] in ("adapter_a",
+                                                                        "adapter_b")]
+
+
+def merged(model):
+    """A new model of `model`'s config without adapters, each adapted kernel
+    holding `W + (alpha / rank) A B`; every other weight as in `model`."""
+    plain = type(model).from_config(model.get_config())
+    source = {entry.key: entry.variable for entry in model_entries(model)}
+    names = key_names(model)
+    deltas = {relative_key(layer._kernel, names): layer.adapter_delta()
+              for _, layer in _projections(model) if layer.adapter_rank}
+    for entry in model_entries(plain):
+        value = source[entry.key]
+        if entry.key in deltas:
+            value = value + keras.ops.cast(deltas[entry.key], value.dtype)
+        entry.variable.assign(value)
+    return plain
