@@ -124,3 +124,37 @@ def test_bad_adapter_settings_are_refused():
     layer.enable_adapter(RANK, ALPHA)
     with pytest.raises(ValueError, match="has an adapter already"):
         layer.enable_adapter(RANK, ALPHA)
+
+
+def test_gpt2_adapters_load_in_peft_and_the_merged_model_in_transformers(tmp_path):
+    # Oracles: PEFT's LoRA on transformers' GPT-2 (the adapter as exported), and
+    # transformers' GPT-2 with the merged weights.
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    from tfgpt.convert import load_gpt2_checkpoint, save_gpt2_adapter, save_gpt2_checkpoint
+
+    torch.manual_seed(0)
+    reference = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=97, n_positions=16, n_embd=24, n_layer=2, n_head=4)).eval()
+    reference.save_pretrained(tmp_path / "base")
+    model, _ = load_gpt2_checkpoint(str(tmp_path / "base"), load_tokenizer=False)
+    add_adapters(model, RANK, ALPHA, targets=("query_key_value", "output_projection",
+                                              "feedforward_intermediate"))
+    train_adapters(model, steps=3)
+    batch = ids(length=7) % 97
+
+    save_gpt2_adapter(model, str(tmp_path / "adapter"), str(tmp_path / "base"))
+    base = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "base").eval()
+    with torch.no_grad():
+        adapted = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+        peft_logits = adapted(torch.tensor(batch, dtype=torch.long)).logits.numpy()
+    ours = model(batch).numpy()
+    assert np.abs(ours - model(batch, training=False).numpy()).max() == 0
+    np.testing.assert_allclose(peft_logits, ours, atol=1e-5)
+
+    save_gpt2_checkpoint(merged(model), str(tmp_path / "merged"))
+    plain = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "merged").eval()
+    with torch.no_grad():
+        merged_logits = plain(torch.tensor(batch, dtype=torch.long)).logits.numpy()
+    np.testing.assert_allclose(merged_logits, ours, atol=1e-5)

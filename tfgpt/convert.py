@@ -194,18 +194,66 @@ def weight_map(model):
         ):
             yield prefix + gpt2_name + ".weight", layer.gamma, False
             yield prefix + gpt2_name + ".bias", layer.beta, False
-        for gpt2_name, layer in (
-            ("attn.c_attn", block.attention.query_key_value),
-            ("attn.c_proj", block.attention.output_projection),
-            ("mlp.c_fc", block.feedforward_intermediate),
-            ("mlp.c_proj", block.feedforward_output),
-        ):
+        for gpt2_name, layer in _projections(block):
             yield prefix + gpt2_name + ".weight", layer.kernel, False
             yield prefix + gpt2_name + ".bias", layer.bias, False
     yield "ln_f.weight", model.final_norm.gamma, False
     yield "ln_f.bias", model.final_norm.beta, False
     if not model.tie_embeddings:
         yield "lm_head.weight", model.lm_head.kernel, True
+
+
+def _projections(block):
+    """`(gpt2_name, layer)` of a block's four projections (GPT-2's Conv1D layers)."""
+    return (("attn.c_attn", block.attention.query_key_value),
+            ("attn.c_proj", block.attention.output_projection),
+            ("mlp.c_fc", block.feedforward_intermediate),
+            ("mlp.c_proj", block.feedforward_output))
+
+
+def save_gpt2_adapter(model, directory, base_model_name_or_path=""):
+    """Writes `model`'s adapters (`tfgpt.models.adapters`) as a PEFT LoRA
+    adapter of the GPT-2 checkpoint `save_gpt2_checkpoint(model)` writes:
+    `adapter_config.json` and `adapter_model.safetensors`, which
+    `peft.PeftModel.from_pretrained` loads onto that checkpoint.
+
+    PEFT keeps A as `lora_A.weight` (rank, in) and B as `lora_B.weight`
+    (out, rank), the transposes of tfgpt's; GPT-2's Conv1D layers take
+    `fan_in_fan_out`. Raises ValueError when the adapters differ in rank,
+    alpha or dropout across layers (one config holds one of each), or when
+    the model has none.
+    """
+    from safetensors.numpy import save_file
+
+    tensors, targets, settings = {}, set(), set()
+    for index, block in enumerate(model.blocks):
+        for gpt2_name, layer in _projections(block):
+            if not getattr(layer, "adapter_rank", 0):
+                continue
+            prefix = f"base_model.model.transformer.h.{index}.{gpt2_name}"
+            tensors[prefix + ".lora_A.weight"] = np.ascontiguousarray(
+                np.asarray(layer.adapter_a.numpy(), np.float32).T)
+            tensors[prefix + ".lora_B.weight"] = np.ascontiguousarray(
+                np.asarray(layer.adapter_b.numpy(), np.float32).T)
+            targets.add(gpt2_name)
+            settings.add((layer.adapter_rank, layer.adapter_scale * layer.adapter_rank,
+                          layer.adapter_dropout.rate))
+    if not tensors:
+        raise ValueError("the model has no adapters to save (tfgpt.models.adapters.add_adapters)")
+    if len(settings) > 1:
+        raise ValueError(f"one PEFT adapter has one rank, alpha and dropout; these adapters have "
+                         f"{sorted(settings)} (rank, alpha, dropout)")
+    rank, alpha, dropout = settings.pop()
+    os.makedirs(directory, exist_ok=True)
+    save_file(tensors, os.path.join(directory, "adapter_model.safetensors"),
+              metadata={"format": "pt"})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
+              "lora_dropout": dropout, "target_modules": sorted(targets), "fan_in_fan_out": True,
+              "bias": "none", "base_model_name_or_path": base_model_name_or_path,
+              "inference_mode": True}
+    with open(os.path.join(directory, "adapter_config.json"), "w") as file:
+        json.dump(config, file, indent=2, sort_keys=True)
+        file.write("\n")
 
 
 def load_gpt2_checkpoint(directory, dtype=None, load_tokenizer=True):
