@@ -1,6 +1,8 @@
 """Low-rank adapters (tfgpt.models.adapters): the NumPy formula, the base model
 untouched, only the adapters trained, and the merged model equal to the adapted one."""
 
+import json
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -158,3 +160,33 @@ def test_gpt2_adapters_load_in_peft_and_the_merged_model_in_transformers(tmp_pat
     with torch.no_grad():
         merged_logits = plain(torch.tensor(batch, dtype=torch.long)).logits.numpy()
     np.testing.assert_allclose(merged_logits, ours, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["llama-gqa", "neox-parallel", "gptj-partial-interleaved",
+                                  "neo-local-every-second", "qwen2-biases"])
+def test_decoder_adapters_load_in_peft_and_the_merged_model_in_transformers(case, tmp_path):
+    # Oracles as for GPT-2 above; fused projections (GPT-J's and GPT-Neo's q/k/v,
+    # GPT-NeoX's per-head layout, Llama's key/value) become one PEFT adapter each.
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    from tests.test_hf_decoders import _reference, _torch_logits
+    from tfgpt.convert_decoders import load_hf_decoder, save_hf_adapter, save_hf_decoder
+
+    _reference(case, tmp_path / "base")
+    model_type = json.loads((tmp_path / "base" / "config.json").read_text())["model_type"]
+    model = load_hf_decoder(str(tmp_path / "base"))
+    add_adapters(model, RANK, ALPHA, targets=TARGETS)
+    train_adapters(model, steps=3)
+    batch = ids(length=7) % 97
+    ours = model(batch).numpy()
+
+    save_hf_adapter(model, str(tmp_path / "adapter"), model_type, str(tmp_path / "base"))
+    base = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "base", attn_implementation="eager").eval()
+    adapted = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    np.testing.assert_allclose(_torch_logits(adapted, batch), ours, atol=1e-5)
+
+    save_hf_decoder(merged(model), str(tmp_path / "merged"), model_type)
+    plain = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "merged", attn_implementation="eager").eval()
+    np.testing.assert_allclose(_torch_logits(plain, batch), ours, atol=1e-5)

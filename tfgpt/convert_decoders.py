@@ -533,21 +533,73 @@ def save_hf_decoder(model, directory, model_type="llama"):
     hf_config = hf_config_of(model.config, model_type)
     tensors = {}
     for variable, names, layout in weight_map(model, model_type):
-        value = np.asarray(variable.numpy(), np.float32)
-        if layout in ("neox", "table"):
-            tensors[names[0]] = np.ascontiguousarray(
-                _keras_to_neox(value, model.num_heads) if layout == "neox" else value)
-            continue
-        sizes = [0]
-        if len(names) > 1:  # the fused projection's parts, in order
-            kv = model.config.key_value_heads * model.config.key_width
-            widths = {"q_proj": model.config.num_heads * model.config.key_width}
-            sizes = np.cumsum([widths.get(name.split(".")[-2], kv) for name in names])[:-1]
-        for name, part in zip(names, np.split(value, sizes, axis=-1) if len(names) > 1
-                              else [value]):
-            tensors[name] = np.ascontiguousarray(part.T if part.ndim == 2 else part)
+        tensors.update(_torch_parts(model, np.asarray(variable.numpy(), np.float32), names,
+                                    layout))
     os.makedirs(directory, exist_ok=True)
     save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(directory, "config.json"), "w") as file:
         json.dump(hf_config, file, indent=2, sort_keys=True)
+        file.write("\n")
+
+
+def _torch_parts(model, value, names, layout):
+    """`{name: array}` of the transformers tensors `names` that the Keras `value`
+    holds (`weight_map`): matrices transposed, a fused projection cut into its parts."""
+    if layout in ("neox", "table"):
+        return {names[0]: np.ascontiguousarray(
+            _keras_to_neox(value, model.num_heads) if layout == "neox" else value)}
+    sizes = [0]
+    if len(names) > 1:  # the fused projection's parts, in order
+        kv = model.config.key_value_heads * model.config.key_width
+        widths = {"q_proj": model.config.num_heads * model.config.key_width}
+        sizes = np.cumsum([widths.get(name.split(".")[-2], kv) for name in names])[:-1]
+    parts = np.split(value, sizes, axis=-1) if len(names) > 1 else [value]
+    return {name: np.ascontiguousarray(part.T if part.ndim == 2 else part)
+            for name, part in zip(names, parts)}
+
+
+def save_hf_adapter(model, directory, model_type="llama", base_model_name_or_path=""):
+    """Writes `model`'s adapters (`tfgpt.models.adapters`) as a PEFT LoRA adapter
+    of the `model_type` checkpoint `save_hf_decoder` writes (`adapter_config.json`,
+    `adapter_model.safetensors`), which `peft.PeftModel.from_pretrained` loads.
+
+    A fused projection's adapter becomes one adapter per transformers
+    projection: the same A (`lora_A.weight`, (rank, in)) and B's columns of
+    that projection (`lora_B.weight`, (out, rank)), which gives the same
+    product. Raises ValueError when the model has no adapters, or adapters of
+    several ranks, alphas or dropouts (one PEFT config holds one of each).
+    """
+    from safetensors.numpy import save_file
+
+    adapted = {id(layer._kernel): layer for layer in model._flatten_layers()
+               if getattr(layer, "adapter_rank", 0)}
+    tensors, modules, settings = {}, [], set()
+    for variable, names, layout in weight_map(model, model_type):
+        layer = adapted.get(id(variable))
+        if layer is None:
+            continue
+        a = np.ascontiguousarray(np.asarray(layer.adapter_a.numpy(), np.float32).T)
+        b = _torch_parts(model, np.asarray(layer.adapter_b.numpy(), np.float32), names, layout)
+        for name in names:
+            module = name[:-len(".weight")]
+            tensors[f"base_model.model.{module}.lora_A.weight"] = a
+            tensors[f"base_model.model.{module}.lora_B.weight"] = b[name]
+            modules.append(module)
+        settings.add((layer.adapter_rank, layer.adapter_scale * layer.adapter_rank,
+                      layer.adapter_dropout.rate))
+    if not tensors:
+        raise ValueError("the model has no adapters to save (tfgpt.models.adapters.add_adapters)")
+    if len(settings) > 1:
+        raise ValueError("one PEFT adapter has one rank, alpha and dropout; these adapters have "
+                         f"{sorted(settings)} (rank, alpha, dropout)")
+    rank, alpha, dropout = settings.pop()
+    os.makedirs(directory, exist_ok=True)
+    save_file(tensors, os.path.join(directory, "adapter_model.safetensors"),
+              metadata={"format": "pt"})
+    # Whole module names: PEFT matches a name equal to, or ending in "." and, a target.
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
+              "lora_dropout": dropout, "target_modules": modules, "bias": "none",
+              "base_model_name_or_path": base_model_name_or_path, "inference_mode": True}
+    with open(os.path.join(directory, "adapter_config.json"), "w") as file:
+        json.dump(config, file, indent=2, sort_keys=True)
         file.write("\n")
