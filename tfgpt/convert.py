@@ -63,6 +63,7 @@ if __name__ == "__main__":
 import numpy as np  # noqa: E402
 
 from tfgpt.config import GPTConfig  # noqa: E402
+from tfgpt.models.adapters import save_peft  # noqa: E402
 from tfgpt.models.gpt import GPT  # noqa: E402
 from tfgpt.tokenizers import BytePairTokenizer, check_tokenizer_matches_model  # noqa: E402
 
@@ -219,41 +220,12 @@ def save_gpt2_adapter(model, directory, base_model_name_or_path=""):
 
     PEFT keeps A as `lora_A.weight` (rank, in) and B as `lora_B.weight`
     (out, rank), the transposes of tfgpt's; GPT-2's Conv1D layers take
-    `fan_in_fan_out`. Raises ValueError when the adapters differ in rank,
-    alpha or dropout across layers (one config holds one of each), or when
-    the model has none.
+    `fan_in_fan_out`. Raises ValueError as `tfgpt.models.adapters.save_peft`.
     """
-    from safetensors.numpy import save_file
-
-    tensors, targets, settings = {}, set(), set()
-    for index, block in enumerate(model.blocks):
-        for gpt2_name, layer in _projections(block):
-            if not getattr(layer, "adapter_rank", 0):
-                continue
-            prefix = f"base_model.model.transformer.h.{index}.{gpt2_name}"
-            tensors[prefix + ".lora_A.weight"] = np.ascontiguousarray(
-                np.asarray(layer.adapter_a.numpy(), np.float32).T)
-            tensors[prefix + ".lora_B.weight"] = np.ascontiguousarray(
-                np.asarray(layer.adapter_b.numpy(), np.float32).T)
-            targets.add(gpt2_name)
-            settings.add((layer.adapter_rank, layer.adapter_scale * layer.adapter_rank,
-                          layer.adapter_dropout.rate))
-    if not tensors:
-        raise ValueError("the model has no adapters to save (tfgpt.models.adapters.add_adapters)")
-    if len(settings) > 1:
-        raise ValueError(f"one PEFT adapter has one rank, alpha and dropout; these adapters have "
-                         f"{sorted(settings)} (rank, alpha, dropout)")
-    rank, alpha, dropout = settings.pop()
-    os.makedirs(directory, exist_ok=True)
-    save_file(tensors, os.path.join(directory, "adapter_model.safetensors"),
-              metadata={"format": "pt"})
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
-              "lora_dropout": dropout, "target_modules": sorted(targets), "fan_in_fan_out": True,
-              "bias": "none", "base_model_name_or_path": base_model_name_or_path,
-              "inference_mode": True}
-    with open(os.path.join(directory, "adapter_config.json"), "w") as file:
-        json.dump(config, file, indent=2, sort_keys=True)
-        file.write("\n")
+    modules = {f"transformer.h.{index}.{gpt2_name}": (layer, None)
+               for index, block in enumerate(model.blocks)
+               for gpt2_name, layer in _projections(block) if getattr(layer, "adapter_rank", 0)}
+    save_peft(directory, modules, base_model_name_or_path, fan_in_fan_out=True)
 
 
 def load_gpt2_checkpoint(directory, dtype=None, load_tokenizer=True):

@@ -44,6 +44,7 @@ import numpy as np
 
 from tfgpt.config import GPTConfig
 from tfgpt.convert_encoders import read_hf_checkpoint
+from tfgpt.models.adapters import save_peft
 from tfgpt.models.gpt import GPT
 
 # model_type -> the `architectures` entry transformers writes for it.
@@ -566,40 +567,14 @@ def save_hf_adapter(model, directory, model_type="llama", base_model_name_or_pat
     A fused projection's adapter becomes one adapter per transformers
     projection: the same A (`lora_A.weight`, (rank, in)) and B's columns of
     that projection (`lora_B.weight`, (out, rank)), which gives the same
-    product. Raises ValueError when the model has no adapters, or adapters of
-    several ranks, alphas or dropouts (one PEFT config holds one of each).
+    product. Raises ValueError as `tfgpt.models.adapters.save_peft`.
     """
-    from safetensors.numpy import save_file
-
     adapted = {id(layer._kernel): layer for layer in model._flatten_layers()
                if getattr(layer, "adapter_rank", 0)}
-    tensors, modules, settings = {}, [], set()
+    modules = {}
     for variable, names, layout in weight_map(model, model_type):
         layer = adapted.get(id(variable))
-        if layer is None:
-            continue
-        a = np.ascontiguousarray(np.asarray(layer.adapter_a.numpy(), np.float32).T)
-        b = _torch_parts(model, np.asarray(layer.adapter_b.numpy(), np.float32), names, layout)
-        for name in names:
-            module = name[:-len(".weight")]
-            tensors[f"base_model.model.{module}.lora_A.weight"] = a
-            tensors[f"base_model.model.{module}.lora_B.weight"] = b[name]
-            modules.append(module)
-        settings.add((layer.adapter_rank, layer.adapter_scale * layer.adapter_rank,
-                      layer.adapter_dropout.rate))
-    if not tensors:
-        raise ValueError("the model has no adapters to save (tfgpt.models.adapters.add_adapters)")
-    if len(settings) > 1:
-        raise ValueError("one PEFT adapter has one rank, alpha and dropout; these adapters have "
-                         f"{sorted(settings)} (rank, alpha, dropout)")
-    rank, alpha, dropout = settings.pop()
-    os.makedirs(directory, exist_ok=True)
-    save_file(tensors, os.path.join(directory, "adapter_model.safetensors"),
-              metadata={"format": "pt"})
-    # Whole module names: PEFT matches a name equal to, or ending in "." and, a target.
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
-              "lora_dropout": dropout, "target_modules": modules, "bias": "none",
-              "base_model_name_or_path": base_model_name_or_path, "inference_mode": True}
-    with open(os.path.join(directory, "adapter_config.json"), "w") as file:
-        json.dump(config, file, indent=2, sort_keys=True)
-        file.write("\n")
+        if layer is not None:
+            b = _torch_parts(model, np.asarray(layer.adapter_b.numpy(), np.float32), names, layout)
+            modules.update({name[:-len(".weight")]: (layer, b[name]) for name in names})
+    save_peft(directory, modules, base_model_name_or_path)

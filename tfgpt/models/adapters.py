@@ -25,7 +25,11 @@ Example:
 [['query_key_value', 'adapter_a'], ['query_key_value', 'adapter_b']]
 """
 
+import json
+import os
+
 import keras
+import numpy as np
 
 from tfgpt.checkpoint.state import key_names, model_entries, relative_key
 from tfgpt.layers.activated_dense import ActivatedDense
@@ -88,3 +92,42 @@ def merged(model):
             value = value + keras.ops.cast(deltas[entry.key], value.dtype)
         entry.variable.assign(value)
     return plain
+
+
+def save_peft(directory, modules, base_model_name_or_path="", **config):
+    """Writes PEFT's LoRA layout: `modules` maps each transformers module name
+    (`transformer.h.0.attn.c_attn`) to its adapter layer and, when a fused
+    projection is cut into several, the torch-layout `(out, rank)` share of
+    B (None: all of B). A becomes `lora_A.weight` (rank, in), B `lora_B.weight`
+    (out, rank). `config` adds to `adapter_config.json` (`fan_in_fan_out`).
+
+    Raises ValueError when there is no adapter, or adapters of several ranks,
+    alphas or dropouts (one PEFT config holds one of each).
+    """
+    from safetensors.numpy import save_file
+
+    if not modules:
+        raise ValueError("the model has no adapters to save (tfgpt.models.adapters.add_adapters)")
+    tensors, settings = {}, set()
+    for module, (layer, b) in modules.items():
+        a = np.asarray(layer.adapter_a.numpy(), np.float32).T
+        b = np.asarray(layer.adapter_b.numpy(), np.float32).T if b is None else b
+        tensors[f"base_model.model.{module}.lora_A.weight"] = np.ascontiguousarray(a)
+        tensors[f"base_model.model.{module}.lora_B.weight"] = np.ascontiguousarray(b)
+        settings.add((layer.adapter_rank, layer.adapter_scale * layer.adapter_rank,
+                      layer.adapter_dropout.rate))
+    if len(settings) > 1:
+        raise ValueError("one PEFT adapter has one rank, alpha and dropout; these adapters have "
+                         f"{sorted(settings)} (rank, alpha, dropout)")
+    rank, alpha, dropout = settings.pop()
+    os.makedirs(directory, exist_ok=True)
+    save_file(tensors, os.path.join(directory, "adapter_model.safetensors"),
+              metadata={"format": "pt"})
+    # Whole module names: PEFT matches a name equal to, or ending in "." and, a target.
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
+              "lora_dropout": dropout, "target_modules": sorted(modules), "bias": "none",
+              "base_model_name_or_path": base_model_name_or_path, "inference_mode": True,
+              **config}
+    with open(os.path.join(directory, "adapter_config.json"), "w") as file:
+        json.dump(config, file, indent=2, sort_keys=True)
+        file.write("\n")
