@@ -10,8 +10,8 @@
 # files that `pip config list` shows (pip.conf files and PIP_* variables) are
 # passed on as flags, and the indexes are merged as pip merges them
 # (--index-strategy unsafe-best-match); modules are compiled to bytecode as pip
-# compiles them, or the first import of TensorFlow would. Without uv, or with TFGPT_INSTALLER=pip,
-# it is pip itself.
+# compiles them, or the first import of TensorFlow would. Without uv, or with
+# TFGPT_INSTALLER=pip, it is pip itself.
 set -euo pipefail
 
 PYTHON="${PYTHON:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/.venv/bin/python}"

@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv/ at the repo root with Python 3.11, install the pinned stack
 # (requirements.txt, requirements-test.txt, requirements-docs.txt, tfgpt itself
-# in editable mode) and
-# build Horovod against it (scripts/build_horovod.sh), then tfgpt's fused CPU
-# kernels (python -m tfgpt.kernels.build).
+# in editable mode) and build Horovod against it (scripts/build_horovod.sh),
+# then tfgpt's fused CPU kernels (python -m tfgpt.kernels.build).
 #
 # Safe to rerun: the pip step is skipped while a stamp in .venv records the
 # sha256 of the requirement files it installed, and the Horovod build is

@@ -44,7 +44,7 @@ import numpy as np
 
 from tfgpt.config import GPTConfig
 from tfgpt.convert_encoders import read_hf_checkpoint
-from tfgpt.models.adapters import save_peft
+from tfgpt.models.adapters import adapted_layers, save_peft
 from tfgpt.models.gpt import GPT
 
 # model_type -> the `architectures` entry transformers writes for it.
@@ -569,8 +569,7 @@ def save_hf_adapter(model, directory, model_type="llama", base_model_name_or_pat
     that projection (`lora_B.weight`, (out, rank)), which gives the same
     product. Raises ValueError as `tfgpt.models.adapters.save_peft`.
     """
-    adapted = {id(layer._kernel): layer for layer in model._flatten_layers()
-               if getattr(layer, "adapter_rank", 0)}
+    adapted = {id(layer._kernel): layer for layer in adapted_layers(model)}
     modules = {}
     for variable, names, layout in weight_map(model, model_type):
         layer = adapted.get(id(variable))

@@ -72,10 +72,15 @@ def add_adapters(model, rank=8, alpha=16.0, dropout=0.0, targets=DEFAULT_TARGETS
     return adapted
 
 
+def adapted_layers(model):
+    """The projections of `model` that have an adapter, in model order."""
+    return [layer for _, layer in _projections(model) if layer.adapter_rank]
+
+
 def adapter_variables(model):
     """The adapters' A and B matrices of `model`, in model order."""
-    return [v for v in model.variables if v.path.rsplit("/", 1)[-1] in ("adapter_a",
-                                                                        "adapter_b")]
+    ids = {id(v) for layer in adapted_layers(model) for v in (layer.adapter_a, layer.adapter_b)}
+    return [v for v in model.variables if id(v) in ids]
 
 
 def merged(model):
@@ -85,7 +90,7 @@ def merged(model):
     source = {entry.key: entry.variable for entry in model_entries(model)}
     names = key_names(model)
     deltas = {relative_key(layer._kernel, names): layer.adapter_delta()
-              for _, layer in _projections(model) if layer.adapter_rank}
+              for layer in adapted_layers(model)}
     for entry in model_entries(plain):
         value = source[entry.key]
         if entry.key in deltas:
