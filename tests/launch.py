@@ -252,6 +252,11 @@ def saved_weights(result):
     return [result[key] for key in keys]
 
 
+def held_weights(result):
+    """`{I: array}` of the `weight_I` a check script's file holds (a pipeline rank: its stage's)."""
+    return {int(key[7:]): result[key] for key in result if key.startswith("weight_")}
+
+
 def multi_worker(count, *command, timeout=TIMEOUT_SECONDS):
     """Runs `python command...` as `count` MultiWorkerMirrored workers on localhost.
 

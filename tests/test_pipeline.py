@@ -10,7 +10,7 @@ process trained through `TrainStep` on the same batches (`--global`).
 import numpy as np
 import pytest
 
-from tests.launch import REPO, horovodrun, run_each, saved_weights
+from tests.launch import REPO, held_weights, horovodrun, run_each, saved_weights
 
 SCRIPT = REPO / "tests" / "hvd_scripts" / "pipeline_check.py"
 
@@ -84,6 +84,45 @@ def test_stage_variables_cover_the_model_once_but_the_tied_table():
     assert len(held) == len(model.trainable_variables) + 1
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_stage_of_an_unallocated_model_allocates_its_own_weights_as_one_process_has_them(tied):
+    import keras
+
+    from tfgpt import GPT
+    from tfgpt.parallel.pipeline_schedule import PipelineSchedule
+    from tfgpt.parallel.pipeline_stage import PipelineStage
+    from tfgpt.parallel.unallocated import allocated, build_unallocated
+
+    def build():
+        keras.utils.set_random_seed(4)
+        return GPT(vocabulary_size=37, num_layers=5, num_heads=2, hidden_dim=8,
+                   intermediate_dim=12, max_sequence_length=7, dropout=0.1,
+                   tie_embeddings=tied)
+
+    reference = build()
+    whole = [v.numpy() for v in reference.variables]  # in the order of any copy's
+    whole_count = reference.count_params()
+    schedule = PipelineSchedule("interleaved", 2, 2, virtual_stages=2)
+    for rank in (1, 0):  # the later stage first: the order of allocation does not matter
+        model = build_unallocated(build)
+        assert not any(allocated(v) for v in model.variables)
+        stage = PipelineStage(model, schedule, rank)
+        held = [v for v in model.variables if allocated(v)]
+        ids = {id(v) for v in held}
+        assert ids == {id(v) for v in stage.held_variables}
+        # Its chunks' blocks, the embeddings (first) or the final norm and the
+        # table (last, tied), with their dropout states; nothing else.
+        assert {id(v) for v in stage.trainable_variables} <= ids
+        assert (id(model.embeddings.position_embedding.embeddings) in ids) == (rank == 0)
+        assert (id(model.final_norm.gamma) in ids) == (rank == 1)
+        assert (id(model.embeddings.token_embedding.embeddings) in ids) == (rank == 0 or tied)
+        for variable, value in zip(model.variables, whole):
+            if allocated(variable):
+                np.testing.assert_array_equal(variable.numpy(), value, err_msg=variable.path)
+        # The whole model's shapes stay known: its parameters count as one process's.
+        assert model.count_params() == whole_count
+
+
 # ---- Equivalence with one process ------------------------------------------------
 
 
@@ -91,15 +130,20 @@ _weights = saved_weights
 
 
 def _assert_same_training(results, oracle, what):
+    """Each rank holds its stage's weights alone, the ranks all of them
+    between them, each as one process trained it."""
     expected = _weights(oracle)
+    covered = set()
     for rank, result in enumerate(results):
-        got = _weights(result)
-        assert len(got) == len(expected)
-        for index, (a, b) in enumerate(zip(got, expected)):
-            np.testing.assert_allclose(a, b, rtol=0, atol=1e-5,
+        got = held_weights(result)
+        assert len(got) < len(expected), (what, rank)
+        covered |= set(got)
+        for index, weight in got.items():
+            np.testing.assert_allclose(weight, expected[index], rtol=0, atol=1e-5,
                                        err_msg=f"{what}, rank {rank}, weight {index}")
         np.testing.assert_allclose(result["losses"], oracle["losses"], rtol=0, atol=1e-5)
         np.testing.assert_allclose(result["norms"], oracle["norms"], rtol=1e-5)
+    assert covered == set(range(len(expected))), what
 
 
 CLIP = ["--clip", "0.3"]

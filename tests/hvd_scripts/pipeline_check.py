@@ -6,13 +6,16 @@ Under horovodrun each rank is one stage (of `--stages`) of a tiny GPT (`Pipeline
 each pipeline trains on its rows of the batch (all of them with one
 pipeline) in `--microbatches` micro-batches; with
 `--global` one process trains the whole model on the same batches
-through `TrainStep`. Writes OUT/<tag>-rank-R.npz: the final whole weights
-(each stage's broadcast from the rank that trained it), the losses and
-the gradient norms. With `--zero-stage 1` each rank's optimizer is built
-on its shards of its stage's variables (`ZeroSharding` over the stage's
-data group), and the file also holds `shapes` (the stage's trained
-variables' shapes, padded with -1) and `slot_elements` (this rank's
-elements of both optimizer moments).
+through `TrainStep`. The pipeline's model is built as the trainer builds
+it: every variable unallocated but those of the rank's stage
+(`tfgpt.parallel.unallocated`). Writes OUT/<tag>-rank-R.npz: the final
+weights this rank holds (`weight_I`, I the variable's place in the whole
+model's trainable variables), the losses and the gradient norms. With
+`--zero-stage 1` each rank's optimizer is built on its shards of its
+stage's variables (`ZeroSharding` over the stage's data group), and the
+file also holds `shapes` (the stage's trained variables' shapes, padded
+with -1) and `slot_elements` (this rank's elements of both optimizer
+moments).
 With `--tensor T` the stages' blocks are split over
 T ranks each as well (`HorovodDistribution`'s layout, data x pipeline x
 tensor): the weights are this rank's slices, with their split rules
@@ -30,12 +33,12 @@ import os
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 from tfgpt import GPT
 from tfgpt.config.training import TrainConfig
 from tfgpt.optim.optimizers import make_optimizer
 from tfgpt.parallel.tensor_parallel import split_rules
+from tfgpt.parallel.unallocated import allocated, build_unallocated
 from tfgpt.parallel.zero import slot_variables
 from tfgpt.training.loop import POLICIES
 
@@ -90,10 +93,14 @@ def main(argv=None):
     )
     keras.utils.set_random_seed(7)
     keras.config.set_dtype_policy(POLICIES[args.precision])
+
+    def build():
+        return GPT(vocabulary_size=args.vocabulary, num_layers=args.layers, num_heads=2,
+                   hidden_dim=8, intermediate_dim=12, max_sequence_length=LENGTH,
+                   dropout=args.dropout, tie_embeddings=not args.untied)
+
     with contextlib.nullcontext() if args.global_batch else distribution.scope():
-        model = GPT(vocabulary_size=args.vocabulary, num_layers=args.layers, num_heads=2,
-                    hidden_dim=8, intermediate_dim=12, max_sequence_length=LENGTH,
-                    dropout=args.dropout, tie_embeddings=not args.untied)
+        model = build() if args.global_batch else build_unallocated(build)
     optimizer = make_optimizer(config, 1, steps=STEPS)
     rank = 0
     data = batches(args.rows, args.vocabulary)
@@ -140,9 +147,6 @@ def main(argv=None):
             loss = distribution.allreduce_mean(loss)
         losses.append(float(loss))
         norms.append(float(metrics["gradient_norm"]))
-    if not args.global_batch:
-        stage.broadcast_from_owners(distribution.broadcast_from_stage)
-        distribution.allreduce_mean(tf.constant(0.0))  # no rank leaves while others broadcast
     trained = model.trainable_variables if args.global_batch else stage.trainable_variables
     slots = slot_variables(optimizer)
     rules = split_rules(model)
@@ -150,7 +154,7 @@ def main(argv=None):
         f"{args.out}/{args.tag}-rank-{rank}.npz", losses=np.array(losses), norms=np.array(norms),
         shapes=np.array([list(v.shape) + [-1] * (3 - len(v.shape)) for v in trained]),
         slot_elements=sum(int(np.prod(v.shape)) for kind in slots.values() for v in kind),
-        **{f"weight_{i}": v.numpy() for i, v in enumerate(variables)},
+        **{f"weight_{i}": v.numpy() for i, v in enumerate(variables) if allocated(v)},
         **{f"rule_{i}": np.array(rules[id(v)]) for i, v in enumerate(variables)
            if id(v) in rules},
     )

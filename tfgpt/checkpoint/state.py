@@ -21,6 +21,7 @@ import keras
 import numpy as np
 
 from tfgpt.parallel.tensor_parallel import split_rules, split_seed_states
+from tfgpt.parallel.unallocated import allocated
 from tfgpt.parallel.zero import slot_variables
 
 
@@ -182,24 +183,23 @@ def run_entries(model, optimizer, coordinates, *, tensor_slice=None, zero=None, 
     entries += [Entry(key, variable, tuple(variable.shape), writes=chief)
                 for key, variable in counters]
 
-    # The rest of the model: weights another stage trains (read, not written),
-    # and the dropout states, one per rank.
-    covered = {id(v) for v in trained}
-    owned = None
-    if stage is not None:
-        owned = {id(v) for chunk in stage.chunks for v in stage.owned_variables(chunk)}
+    # The rest of what this rank holds (a pipeline rank: its stage alone):
+    # the dropout states, one per rank, and what is not trained.
     split_seeds = {id(state) for state in split_seed_states(model)} if tensor_slice else set()
-    seeds = seed_keys(model)
-    covered |= {id(state) for _, state in seeds}
+    held = None if stage is None else {id(v) for v in stage.held_variables}
+    seeds = [(key, state) for key, state in seed_keys(model) if allocated(state)]
     for key, state in seeds:
         entries.append(Entry(key, state, tuple(state.shape), per_rank=True,
-                             writes=owned is None or id(state) in owned,
+                             writes=held is None or id(state) in held,
                              seed_offset=tensor_slice if id(state) in split_seeds else None))
+    covered = {id(v) for v in trained} | {id(state) for _, state in seeds}
     for variable in model.variables:
-        if id(variable) in covered:
+        if id(variable) in covered or not allocated(variable):
             continue
-        # Another stage's weights (read, not written), or a replicated statistic.
+        # A statistic not trained (the first replica's first slice writes it), or,
+        # in a pipelined model allocated whole, another stage's weights (read).
         shape, split, tensor = region(variable)
         entries.append(Entry(relative_key(variable, names), variable, shape, split, tensor,
-                             writes=not variable.trainable and chief))
+                             writes=not variable.trainable and data_index == 0
+                             and tensor_index == 0 and (held is None or id(variable) in held)))
     return entries

@@ -284,18 +284,6 @@ class HorovodDistribution(LocalDistribution):
     pipeline_process_set = None
     data_process_set = None
 
-    def broadcast_from_stage(self, variables, stage):
-        """Overwrites `variables` (Keras variables) with those of pipeline
-        stage `stage` of this rank's pipeline."""
-        # One eager broadcast per variable: `hvd.broadcast_variables` wraps
-        # them in a tf.function that fails to find an added process set.
-        root = self.state.pipeline_group()[stage]
-        for index, variable in enumerate(variables):
-            variable.assign(self._hvd.broadcast(
-                variable.value, root_rank=root, name=f"pipeline_stage_{stage}_{index}",
-                process_set=self.pipeline_process_set,
-            ))
-
     def configure_devices(self, intra_op_threads=0, *, towers=1, batch_size=0, xla=False):
         """Pins one GPU per local rank; splits CPU cores among local ranks.
 
@@ -450,12 +438,12 @@ class HorovodDistribution(LocalDistribution):
     def broadcast_variables(self, variables):
         """Overwrites `variables` (Keras or tf.Variables) with rank 0's values.
 
-        Under tensor parallelism, with the values of the first rank of this
-        rank's data group (the same slice): a sum over the group to which
-        only that rank contributes.
+        Under tensor or pipeline parallelism, with the values of the first
+        rank of this rank's data group (the same slice of the same stage): a
+        sum over the group to which only that rank contributes.
         """
         tf_variables = [v.value if isinstance(v, keras.Variable) else v for v in variables]
-        if self.tensor_slice is None:
+        if self.state.data == self.state.size:  # every rank holds the whole model
             # Horovod's `broadcast_variables` traces the same ops with
             # AutoGraph: 1.8 s of a tiny run's start-up (tfgpt.graph_function).
             @graph_function

@@ -94,6 +94,11 @@ class PipelineTrainStep:
             stage_index: graph_function(lambda x, y, s=stage_index: stage.forward(s, x, y))
             for stage_index in stage.chunks
         }
+        self._evaluations = {
+            stage_index: graph_function(
+                lambda x, y, s=stage_index: stage.forward(s, x, y, training=False))
+            for stage_index in stage.chunks
+        }
         self._update = graph_function(self._update_fn)
         if zero is not None:
             self._reduce_scatter = graph_function(zero.reduce_accumulated)
@@ -213,6 +218,43 @@ class PipelineTrainStep:
         if self.timed:
             result["tick_times"], result["loop_time"] = times, loop_time
         return result
+
+    def evaluate(self, batch):
+        """`(loss, {})`: the batch's mean loss without training, on every rank of the pipeline.
+
+        The whole batch goes through the virtual stages in order, without
+        dropout: each stage's rank runs it and sends the hidden states to
+        the next one's (one alltoall per change of rank); the last stage's
+        loss is then summed over the pipeline, to which only it adds.
+        """
+        inputs, targets = batch
+        rank, last = self.stage.rank, self.stage.last
+        x = inputs
+        loss = tf.constant(0.0)
+        for virtual_stage in range(last + 1):
+            owner = self.schedule.rank_of(virtual_stage)
+            if owner == rank:
+                x = self._evaluations[virtual_stage](x, targets if virtual_stage == last else None)
+            if virtual_stage == last:
+                if owner == rank:
+                    loss = x
+                break
+            receiver = self.schedule.rank_of(virtual_stage + 1)
+            if receiver != owner:
+                splits = [0] * self.schedule.stages
+                if rank == owner:
+                    splits[receiver] = inputs.shape[0]
+                sent = x if rank == owner else tf.zeros(
+                    [0, inputs.shape[1], self.stage.model.hidden_dim],
+                    self.stage.model.compute_dtype)
+                bits = sent.dtype == tf.bfloat16  # as in `_exchange`
+                output, _ = self._hvd.alltoall(
+                    tf.bitcast(sent, tf.uint16) if bits else sent, splits=splits,
+                    name=f"pipeline_evaluate_{virtual_stage}", process_set=self.pipeline_set)
+                x = tf.bitcast(output, tf.bfloat16) if bits else output
+        loss = self._hvd.allreduce(loss, op=self._hvd.Sum, name="pipeline_evaluate_loss",
+                                   process_set=self.pipeline_set)
+        return loss, {}
 
     def _update_fn(self, gradients, gradient_norm):
         if self.zero is not None:

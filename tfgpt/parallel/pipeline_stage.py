@@ -9,15 +9,18 @@ and stay equal because each applies the sum of both gradients
 (`tfgpt.parallel.pipeline_executor`), as one shared table would get.
 
 Every rank builds the whole model from the run's seed, so each stage's
-weights start as a one-process run's do; only the stage's own variables
-get gradients and optimizer slots. (The other stages' weights stay
-allocated, untouched, on every rank; `broadcast_from_owners` brings them
-up to date for a checkpoint or an evaluation with the whole model.)
+weights start as a one-process run's do. A model built unallocated
+(`tfgpt.parallel.unallocated`, as the trainer builds it) gets memory
+for this rank's stage alone: its blocks, the embeddings on the first
+stage, the final norm, the head and the token table on the last; the
+other stages' variables keep their shapes and no values. Only the
+stage's variables get gradients and optimizer slots either way.
 """
 
 import numpy as np
 
 from tfgpt.parallel.pipeline_partition import partition_blocks
+from tfgpt.parallel.unallocated import allocate
 from tfgpt.training.train_step import cross_entropy
 
 
@@ -29,10 +32,11 @@ def block_flops_per_token(model, sequence_length):
 
 
 class PipelineStage:
-    """The chunks of `model` that `rank` runs under `schedule`.
+    """The chunks of `model` that `rank` runs under `schedule`; allocates their variables.
 
     Args:
-        model: a built `tfgpt.models.gpt.GPT`.
+        model: a built `tfgpt.models.gpt.GPT`, allocated or not
+            (`tfgpt.parallel.unallocated`).
         schedule: `tfgpt.parallel.pipeline_schedule.PipelineSchedule`.
         rank: int. This rank's place in the pipeline (0 to stages - 1).
         partition: str. `uniform` or `balanced`
@@ -43,6 +47,8 @@ class PipelineStage:
         ranges: per virtual stage, its `(start, end)` block range.
         chunks: this rank's virtual stages, in chunk order.
         trainable_variables: this rank's Keras variables, in model order.
+        held_variables: every variable this rank holds up to date (its
+            trainable ones and its layers' dropout states), allocated.
         tied: bool. Whether the first and last stage share the token table.
     """
 
@@ -68,6 +74,10 @@ class PipelineStage:
                     variables.append(variable)
         order = {id(v): index for index, v in enumerate(self.model.trainable_variables)}
         self.trainable_variables = sorted(variables, key=lambda v: order[id(v)])
+        self.held_variables = [v for chunk in self.chunks for v in self.owned_variables(chunk)]
+        if self.tied and self.holds_last and not self.holds_first:
+            self.held_variables.append(self.table)
+        allocate(self.held_variables)
 
     @property
     def holds_first(self):
@@ -113,16 +123,9 @@ class PipelineStage:
                              tensor_slice=getattr(self.model, "tensor_slice", None))
 
     def owned_variables(self, stage):
-        """Every variable (trainable or not: dropout's random state too) that
-        virtual stage `stage`'s rank holds up to date, the tied table with stage 0."""
+        """Every variable (trainable or not: dropout's random state too) of
+        virtual stage `stage`'s layers, the tied table with stage 0."""
         return [v for layer in self.layers(stage) for v in layer.variables]
-
-    def broadcast_from_owners(self, broadcast):
-        """Makes every rank's whole model the trained one: `broadcast(variables,
-        stage)` is called for each virtual stage with the pipeline stage (rank
-        in the pipeline) that runs it."""
-        for stage in range(self.last + 1):
-            broadcast(self.owned_variables(stage), self.schedule.rank_of(stage))
 
     def describe(self):
         """One line: which blocks each virtual stage holds."""

@@ -30,6 +30,7 @@ from tfgpt.observe import flops, monitor
 from tfgpt.observe.profiling import StepProfiler
 from tfgpt.optim.optimizers import make_optimizer
 from tfgpt.optim.precision import slow_precision_warning
+from tfgpt.parallel.unallocated import allocated, build_unallocated
 from tfgpt.parallel.zero import ZeroSharding, state_bytes
 from tfgpt.training.train_step import STEP_TIMES
 
@@ -237,7 +238,10 @@ def build_model_and_optimizer(config, distribution, build_model, steps):
     keras.utils.set_random_seed(config.seed)
     keras.config.set_dtype_policy(POLICIES[config.mixed_precision])
     with distribution.scope():
-        model = build_model()
+        if distribution.state.pipelined:  # a rank allocates its stage alone (PipelineStage)
+            model = build_unallocated(build_model)
+        else:
+            model = build_model()
         optimizer = distribution.configure_optimizer(
             make_optimizer(config, distribution.size, steps=steps)
         )
@@ -257,8 +261,9 @@ def build_model_and_optimizer(config, distribution, build_model, steps):
 def broadcast_state(distribution, model, optimizer, step, zero):
     """Makes rank 0's state every rank's: all of it, or under ZeRO what is not sharded."""
     if distribution.state.pipelined:
-        # Every rank built the whole model from the seed; the optimizers differ by stage.
-        distribution.broadcast_variables(model.variables + [step])
+        # Each rank holds its stage's weights (the ranks of its data group alike);
+        # the optimizers differ by stage.
+        distribution.broadcast_variables([v for v in model.variables if allocated(v)] + [step])
         return
     if zero is None:
         distribution.broadcast_variables(model.variables + optimizer.variables + [step])

@@ -66,9 +66,8 @@ def describe(stage, state=None):
         f"pipeline: {schedule.name}, {schedule.stages} stages x {schedule.virtual_stages} "
         f"chunk(s), {schedule.microbatches} micro-batches, {schedule.ticks} ticks per step, "
         f"bubble {schedule.bubble(0):.3f} (idle / busy ticks); {stage.describe()}; rank "
-        f"{stage.rank} trains {trained:,} parameters (their gradients and"
-        f"{' its shard of their' if zero_stage else ''} optimizer state; every rank keeps the "
-        "whole model's weights)"
+        f"{stage.rank} holds and trains {trained:,} parameters (their gradients and"
+        f"{' its shard of their' if zero_stage else ''} optimizer state)"
     )
     if state is not None:
         line += "; per rank: " + "; ".join(
@@ -77,10 +76,10 @@ def describe(stage, state=None):
 
 
 def _rank_state(stage, state, rank):
-    """`rank`'s blocks, slice and float32 bytes of weights (every rank holds
-    its slice of all of them, and under ZeRO a float32 copy of its shards),
-    gradients and AdamW moments (its stage's, or under ZeRO its shard of
-    them over the data replicas: `tfgpt.parallel.zero.state_bytes`)."""
+    """`rank`'s blocks, slice and float32 bytes of weights (its stage's, and
+    under ZeRO a float32 copy of its shards), gradients and AdamW moments
+    (its stage's, or under ZeRO its shard of them over the data replicas:
+    `tfgpt.parallel.zero.state_bytes`)."""
     _, pipeline_index, tensor_index = state.coordinates(rank)
     schedule = stage.schedule
     chunks = [schedule.virtual_stage(pipeline_index, chunk)
@@ -88,16 +87,14 @@ def _rank_state(stage, state, rank):
     # A slice's sizes are the same on every rank of its tensor group.
     trained = {id(v): int(np.prod(v.shape)) for chunk in chunks
                for v in stage.chunk_variables(chunk)}
-    sizes = state_bytes(sum(trained.values()), state.zero_stage, state.data)
-    held = sum(int(np.prod(v.shape)) for v in stage.model.trainable_variables)
-    # The weights it holds, plus (ZeRO) the shards' copy beside the trained ones.
-    weights = 4 * held + sizes["parameters"] - 4 * sum(trained.values())
+    held = sum(trained.values())
+    sizes = state_bytes(held, state.zero_stage, state.data)
     blocks = ", ".join(f"{stage.ranges[chunk][0]}-{stage.ranges[chunk][1] - 1}"
                        for chunk in chunks)
     return (
         f"rank {rank}: stage {pipeline_index} blocks {blocks}"
         + (f", tensor slice {tensor_index + 1}/{state.tensor}" if state.tensor > 1 else "")
-        + f", trains {sum(trained.values()):,} of the {held:,} parameters it holds: parameters "
-        f"{byte_size(weights)}, gradients {byte_size(sizes['gradients'])}, optimizer "
+        + f", holds and trains {held:,} parameters: parameters "
+        f"{byte_size(sizes['parameters'])}, gradients {byte_size(sizes['gradients'])}, optimizer "
         f"{byte_size(sizes['optimizer'])}"
     )

@@ -354,16 +354,18 @@ def train(train_config, model_overrides, distribution, callbacks=()):
     checkpointer.track_input(None)
     loop.release_in_background(iterator)
     del iterator
-    if pipelined:  # every rank's whole model up to date for the validation
-        stage.broadcast_from_owners(distribution.broadcast_from_stage)
-
+    # A pipeline validates through its stages, each rank holding its own.
     return _validate(task, train_config, distribution, report, model, zero, model_config,
-                     metrics, int(step.numpy()))
+                     metrics, int(step.numpy()),
+                     eval_step=pipeline_step.evaluate if pipelined else None)
 
 
 def _validate(task, train_config, distribution, report, model, zero, model_config, metrics,
-              at_step):
-    """Validation after training: logs it and returns `(model, metrics)` with its results."""
+              at_step, eval_step=None):
+    """Validation after training: logs it and returns `(model, metrics)` with its results.
+
+    `eval_step`: `(loss, metrics)` of a batch; by default the whole model's `EvalStep`.
+    """
     # A tensor group and a pipeline read one part, in one order (checked at the first batch).
     data_index, pipelines = distribution.data_shard()
     validation = task.dataset(
@@ -379,7 +381,7 @@ def _validate(task, train_config, distribution, report, model, zero, model_confi
     )
     results = evaluate(
         task,
-        EvalStep(model, loss_fn=task.loss, xla=train_config.xla, zero=zero),
+        eval_step or EvalStep(model, loss_fn=task.loss, xla=train_config.xla, zero=zero),
         distribution.one_batch_per_group(
             batches_naming_bad_shards(validation, train_config.data, "val")),
         distribution,
