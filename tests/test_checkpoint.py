@@ -95,7 +95,6 @@ def test_an_interrupted_save_leaves_the_previous_checkpoint_the_latest(tmp_path)
         files.write_rank(str(tmp_path), 4, rank, [e.variable.numpy() for e in entries],
                          [e.record(rank, (rank, 0, 0)) for e in entries])
     assert files.latest(str(tmp_path)) == str(tmp_path / "ckpt-2")
-    assert files.interrupted(str(tmp_path)) == [str(tmp_path / "ckpt-4")]
     with pytest.raises(ValueError, match=r"ckpt-4 has no index.json: its save did not finish"):
         files.Reader(str(tmp_path / "ckpt-4"))
     # The next save of a later step removes it.

@@ -19,7 +19,7 @@ import pytest
 
 from tests.launch import REPO, checkpoint_tensors, launch_each, train_losses
 from tfgpt.checkpoint import RunCheckpointer, latest
-from tfgpt.checkpoint import run as checkpoint_run
+from tfgpt.checkpoint import files as checkpoint_files
 from tfgpt.checkpoint.run import SaveFailed
 from tfgpt.config.training import TrainConfig
 from tfgpt.parallel import LocalDistribution
@@ -98,7 +98,7 @@ def test_a_save_that_fails_keeps_the_previous_checkpoint_the_latest(tmp_path, mo
     def full_disk(*args):
         raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "ckpt-4"))
 
-    monkeypatch.setattr(checkpoint_run, "write_rank", full_disk)
+    monkeypatch.setattr(checkpoint_files, "write_rank", full_disk)
     variable.assign([3.0, 4.0])
     with pytest.raises(SaveFailed, match=r"ckpt-4 could not be written \(rank 0: .*No space "
                        r"left on device.*the latest checkpoint is still .*ckpt-2"):

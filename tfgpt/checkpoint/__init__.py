@@ -7,7 +7,7 @@ chief's index last (`files`); any layout resumes from any other, and one
 process reads the whole model (`run.load_weights`).
 """
 
-from tfgpt.checkpoint.files import latest, step_of, write_json_atomically
+from tfgpt.checkpoint.files import latest, write_json_atomically
 from tfgpt.checkpoint.run import (
     CONFIG_FILE,
     TOKENIZER_FILE,
@@ -20,5 +20,5 @@ from tfgpt.checkpoint.run import (
 
 __all__ = [
     "CONFIG_FILE", "TOKENIZER_FILE", "RunCheckpointer", "latest", "load_weights", "read_config",
-    "save_weights", "step_of", "write_json_atomically", "write_run_files",
+    "save_weights", "write_json_atomically", "write_run_files",
 ]

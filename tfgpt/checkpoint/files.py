@@ -55,11 +55,6 @@ def step_directory(directory, step):
     return os.path.join(directory, f"ckpt-{int(step)}")
 
 
-def step_of(path):
-    """The step of a `.../ckpt-S` checkpoint directory."""
-    return int(os.path.basename(os.path.normpath(path)).rsplit("-", 1)[1])
-
-
 def _steps(directory):
     """`{step: complete}` of the `ckpt-S` directories in `directory`."""
     found = {}
@@ -90,21 +85,9 @@ def latest(directory):
     return step_directory(directory, max(complete)) if complete else None
 
 
-def interrupted(directory):
-    """The `ckpt-S` directories newer than `latest` whose save did not finish."""
-    steps = _steps(directory)
-    newest = max([step for step, done in steps.items() if done], default=-1)
-    return [step_directory(directory, step) for step, done in sorted(steps.items())
-            if not done and step > newest]
-
-
-def _storable(array):
-    """`array` as NumPy stores it: bfloat16 and other ml_dtypes as unsigned bits."""
-    return array.view(f"u{array.dtype.itemsize}") if array.dtype.kind == "V" else array
-
-
 def write_rank(directory, step, rank, arrays, records):
-    """Writes rank `rank`'s `arrays` (`[ndarray]`) and their `records` (`[dict]`) at `step`.
+    """Writes rank `rank`'s `arrays` (ndarrays, an iterable read once) and their `records`
+    (`[dict]`) at `step`.
 
     The .npz streams one array at a time and carries a random stamp that
     the index records, so a file of another save is recognised; both files
@@ -118,8 +101,11 @@ def write_rank(directory, step, rank, arrays, records):
         with archive.open("stamp.npy", "w") as file:
             np.lib.format.write_array(file, np.frombuffer(stamp.encode(), np.uint8))
         for index, array in enumerate(arrays):
+            array = np.asarray(array)
+            if array.dtype.kind == "V":  # bfloat16 and other ml_dtypes: their bits
+                array = array.view(f"u{array.dtype.itemsize}")
             with archive.open(f"c{index}.npy", "w", force_zip64=True) as file:
-                np.lib.format.write_array(file, _storable(np.asarray(array)), allow_pickle=False)
+                np.lib.format.write_array(file, array, allow_pickle=False)
     with open(path + ".tmp", "rb+") as file:
         os.fsync(file.fileno())
     os.replace(path + ".tmp", path)
@@ -249,7 +235,8 @@ class Reader:
         under `split` = `(axis, groups)` (None: whole), then `rows` = `(start, stop)`."""
         entry = self.entry(key, shape)
         for chunk in entry["chunks"]:  # the same region, as written: no assembly
-            if chunk.get("rank") is None and _same(chunk["tensor"], tensor) and (
+            if chunk.get("rank") is None and (  # (1, 0) and None: the whole tensor
+                    tuple(chunk["tensor"] or (1, 0)) == tuple(tensor or (1, 0))) and (
                     (chunk["rows"] or [None, None])[:2] == list(rows or [None, None])):
                 return self.array(chunk, entry["dtype"])
         value = self.whole(key)
@@ -275,8 +262,3 @@ class Reader:
         for archive in self._open.values():
             archive.close()
         self._open = {}
-
-
-def _same(saved, wanted):
-    """Whether a saved chunk's tensor slice is `wanted` (None and (1, 0): whole)."""
-    return tuple(saved or (1, 0)) == tuple(wanted or (1, 0))

@@ -6,16 +6,9 @@ import shutil
 
 import tensorflow as tf
 
-from tfgpt.checkpoint.files import (
-    INDEX_FILE,
-    Reader,
-    commit,
-    latest,
-    step_directory,
-    write_json_atomically,
-    write_rank,
-)
-from tfgpt.checkpoint.state import model_entries, value_of
+from tfgpt.checkpoint import files
+from tfgpt.checkpoint.files import INDEX_FILE, Reader, latest
+from tfgpt.checkpoint.state import model_entries
 from tfgpt.parallel.local import LocalDistribution
 
 CONFIG_FILE = "config.json"
@@ -34,7 +27,7 @@ def read_config(directory):
 def write_run_files(directory, config, tokenizer_path=None):
     """Writes config.json (and copies the tokenizer) into the run directory."""
     os.makedirs(directory, exist_ok=True)
-    write_json_atomically(os.path.join(directory, CONFIG_FILE), config)
+    files.write_json_atomically(os.path.join(directory, CONFIG_FILE), config)
     if tokenizer_path:
         # A SentencePiece model is always `tokenizer.model` in a run
         # directory; other tokenizers (a WordPiece vocab.txt) keep their name.
@@ -100,15 +93,11 @@ class RunCheckpointer:
         self._input = None
 
     @property
-    def is_chief(self):
-        return self.distribution.is_chief
-
-    @property
     def latest(self):
         return latest(self.directory)
 
     def write_run_files(self, config, tokenizer_path=None):
-        if self.is_chief:
+        if self.distribution.is_chief:
             write_run_files(self.directory, config, tokenizer_path)
 
     def track_input(self, iterator, index=0, count=1):
@@ -128,21 +117,19 @@ class RunCheckpointer:
         tf.train.Checkpoint(iterator=iterator).read(prefix).assert_existing_objects_matched()
         return True
 
-    def barrier(self):
-        self.distribution.allreduce_mean(tf.constant(0.0))
-
     def save(self, step):
         """Writes the checkpoint of `step`; returns its path (None on other ranks)."""
         step = int(step)
         coordinates, layout = layout_of(self.distribution)
         rank = self.distribution.rank
-        root = step_directory(self.directory, step)
-        if self.is_chief and os.path.isdir(root):  # an earlier, interrupted save of this step
-            shutil.rmtree(root, ignore_errors=True)
-        self.barrier()
+        root = files.step_directory(self.directory, step)
+        if self.distribution.is_chief and os.path.isdir(root):
+            shutil.rmtree(root, ignore_errors=True)  # an earlier, interrupted save of this step
+        self._agree(None, root)  # a barrier: nobody writes into what the chief removes
         written = [entry for entry in self.entries() if entry.writes]
         try:
-            write_rank(self.directory, step, rank, [value_of(e.variable) for e in written],
+            # One array in memory at a time: a copy of the state would double the peak.
+            files.write_rank(self.directory, step, rank, (e.variable.numpy() for e in written),
                        [entry.record(rank, coordinates) for entry in written])
             if self._input is not None and tuple(coordinates[1:]) == (0, 0):
                 iterator, index, count = self._input
@@ -152,13 +139,13 @@ class RunCheckpointer:
             error = f"rank {rank}: {failure}"
         self._agree(error, root)  # every rank's files are on disk
         error = None
-        if self.is_chief:
+        if self.distribution.is_chief:
             try:
-                commit(self.directory, step, layout["ranks"], {"layout": layout}, self.keep)
+                files.commit(self.directory, step, layout["ranks"], {"layout": layout}, self.keep)
             except OSError as failure:
                 error = f"the index, rank {rank}: {failure}"
         self._agree(error, root)  # the index too
-        return root if self.is_chief else None
+        return root if self.distribution.is_chief else None
 
     def _agree(self, error, root):
         """A barrier that also counts the ranks whose `error` is not None;
@@ -167,7 +154,7 @@ class RunCheckpointer:
         failed = float(self.distribution.allreduce_mean(tf.constant(float(error is not None))))
         if not failed:
             return
-        if self.is_chief:
+        if self.distribution.is_chief:
             shutil.rmtree(root, ignore_errors=True)
         ranks = round(failed * self.distribution.num_workers)
         raise SaveFailed(

@@ -18,7 +18,6 @@ trains a variable (the first stage for a tied token table).
 import dataclasses
 
 import keras
-import numpy as np
 
 from tfgpt.parallel.tensor_parallel import split_rules, split_seed_states
 from tfgpt.parallel.unallocated import allocated
@@ -66,10 +65,6 @@ def dtype_name(variable):
     return dtype if isinstance(dtype, str) else dtype.name
 
 
-def value_of(variable):
-    return np.asarray(variable.numpy())
-
-
 def key_names(root):
     """`{first path component: what the key says instead}` for the model `root`."""
     names = {root.name: ""}
@@ -92,18 +87,14 @@ def seed_keys(root):
     has no path of its own)."""
     paths = {}
 
-    def visit(layer, prefix):
+    def visit(layer, prefix):  # depth first, attribute by attribute, lists item by item
         for attribute, value in vars(layer).items():
-            if attribute.startswith("_"):
-                continue
-            children = ([(attribute, value)] if isinstance(value, keras.layers.Layer) else
-                        [(f"{attribute}/{index}", item) for index, item in enumerate(value)
-                         if isinstance(item, keras.layers.Layer)]
-                        if isinstance(value, (list, tuple)) else [])
-            for name, child in children:
-                if id(child) not in paths:
-                    paths[id(child)] = prefix + name
-                    visit(child, prefix + name + "/")
+            items = enumerate(value) if isinstance(value, (list, tuple)) else [(None, value)]
+            for index, child in ([] if attribute.startswith("_") else items):
+                name = prefix + attribute + ("" if index is None else f"/{index}")
+                if isinstance(child, keras.layers.Layer) and id(child) not in paths:
+                    paths[id(child)] = name
+                    visit(child, name + "/")
 
     visit(root, "")
     layers = [layer for layer in root._flatten_layers()
