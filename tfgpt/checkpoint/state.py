@@ -19,7 +19,7 @@ import dataclasses
 
 import keras
 
-from tfgpt.parallel.tensor_parallel import split_rules, split_seed_states
+from tfgpt.parallel.tensor_parallel import WHOLE, split_rules, split_seed_states
 from tfgpt.parallel.unallocated import allocated
 from tfgpt.parallel.zero import slot_variables
 
@@ -117,7 +117,7 @@ def model_entries(model, prefix=""):
             if id(v) not in seeds]
 
 
-def run_entries(model, optimizer, coordinates, *, tensor_slice=None, zero=None, stage=None,
+def run_entries(model, optimizer, coordinates, *, tensor_slice=WHOLE, zero=None, stage=None,
                 counters=()):
     """Every part of a run's state that this rank holds, with who writes it.
 
@@ -125,14 +125,14 @@ def run_entries(model, optimizer, coordinates, *, tensor_slice=None, zero=None, 
         model: the whole model (of this tensor slice).
         optimizer: built on `zero.shards`, the stage's variables or the model's.
         coordinates: `(data index, pipeline stage, tensor index)` of this rank.
-        tensor_slice: `TensorSlice` of the model, or None.
+        tensor_slice: `TensorSlice` of the model (`WHOLE`: not split).
         zero: `ZeroSharding`, or None.
         stage: `PipelineStage`, or None.
         counters: `[(key, variable)]` of what the chief writes alone (the step).
     """
     data_index, _, tensor_index = coordinates
     chief = tuple(coordinates) == (0, 0, 0)
-    rules = split_rules(model) if tensor_slice is not None else {}
+    rules = split_rules(model)
     if zero is not None:
         trained = zero.variables
     else:
@@ -176,7 +176,7 @@ def run_entries(model, optimizer, coordinates, *, tensor_slice=None, zero=None, 
 
     # The rest of what this rank holds (a pipeline rank: its stage alone):
     # the dropout states, one per rank, and what is not trained.
-    split_seeds = {id(state) for state in split_seed_states(model)} if tensor_slice else set()
+    split_seeds = {id(state) for state in split_seed_states(model)}
     held = None if stage is None else {id(v) for v in stage.held_variables}
     seeds = [(key, state) for key, state in seed_keys(model) if allocated(state)]
     for key, state in seeds:

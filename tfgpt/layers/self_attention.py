@@ -28,7 +28,7 @@ class SelfAttention(SelfAttentionBase):
 
     def __init__(self, hidden_dim, num_heads, dropout=0.0, **kwargs):
         super().__init__(hidden_dim, num_heads, dropout=dropout, **kwargs)
-        if self.tensor_slice is not None:
+        if self.tensor_slice.size > 1:
             raise ValueError(
                 "--tensor-parallel splits GPT's causal attention only; the encoders' "
                 "(BERT, ALBERT) layers, embeddings and heads are not split"

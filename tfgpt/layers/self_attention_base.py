@@ -4,7 +4,7 @@ import tensorflow as tf
 
 from tfgpt.config.checks import require_divisible
 from tfgpt.layers.configured_layer import ConfiguredLayer, normal_initializer
-from tfgpt.parallel.tensor_parallel import current_slice, mark_split, sliced_initializer
+from tfgpt.parallel.tensor_parallel import current_slice
 
 # The score of a key a query may not attend to: a large finite negative
 # rather than -inf, so that a row with no such key (a padding query) gives a
@@ -51,49 +51,42 @@ class SelfAttentionBase(ConfiguredLayer):
         self.local_dim = self.local_heads * self.head_dim
 
     def _local(self, heads, what):
-        """This slice's count of `heads` (all of them without a tensor slice)."""
-        return self.tensor_slice.rows(heads, what)[1] if self.tensor_slice else heads
+        """This slice's count of `heads` (all of them in a whole model)."""
+        return self.tensor_slice.rows(heads, what)[1]
 
     def _heads_dense(self, groups, name, initializer=None, heads=None, use_bias=True):
         """The column-parallel projection to `groups` x this layer's heads
         (q, k, v: 3; k, v: 2), of `heads` heads each (default `num_heads`)."""
         initializer = initializer or normal_initializer()
         heads = heads or self.num_heads
-        if self.tensor_slice is None:
-            return self._dense(groups * heads * self.head_dim, name, initializer,
-                               use_bias=use_bias)
         whole = (self.hidden_dim, groups * heads * self.head_dim)
-        local = self.tensor_slice.rows(heads, "num_key_value_heads" if heads != self.num_heads
-                                       else "num_heads")[1]
+        local = self._local(heads, "num_key_value_heads" if heads != self.num_heads
+                            else "num_heads")
         dense = self._dense(
             groups * local * self.head_dim, name,
-            sliced_initializer(initializer, self.tensor_slice, whole, (1, groups)),
-            use_bias=use_bias,
+            self.tensor_slice.initializer(initializer, whole, (1, groups)), use_bias=use_bias,
         )
-        mark_split(dense, kernel=(1, groups), **({"bias": (0, groups)} if use_bias else {}))
+        self.tensor_slice.mark_split(dense, kernel=(1, groups),
+                                     **({"bias": (0, groups)} if use_bias else {}))
         return dense
 
     def _heads_input(self, inputs):
         """The input of the projection to the heads: f, under a tensor slice."""
-        return self.tensor_slice.copy_to_group(inputs) if self.tensor_slice else inputs
+        return self.tensor_slice.copy_to_group(inputs)
 
     def _add_output_layers(self, initializer=None):
-        initializer = initializer or normal_initializer()
-        if self.tensor_slice is not None:
-            whole = (self.num_heads * self.head_dim, self.hidden_dim)
-            initializer = sliced_initializer(initializer, self.tensor_slice, whole, (0, 1))
+        initializer = self.tensor_slice.initializer(
+            initializer or normal_initializer(), (self.num_heads * self.head_dim, self.hidden_dim),
+            (0, 1))
         self.output_projection = self._dense(self.hidden_dim, "output_projection", initializer,
                                              use_bias=self.output_bias)
         self.attention_dropout = self._dropout(self.dropout, "attention_dropout")
-        if self.tensor_slice is not None:
-            mark_split(self.output_projection, kernel=(0, 1))
-            if self.dropout > 0:
-                self.tensor_slice.seed_dropout(self.attention_dropout)
+        self.tensor_slice.mark_split(self.output_projection, kernel=(0, 1))
+        if self.dropout > 0:
+            self.tensor_slice.seed_dropout(self.attention_dropout)
 
     def _project_output(self, attended):
         """The output projection of the heads (B, T, local_dim) to (B, T, C)."""
-        if self.tensor_slice is None:
-            return self.output_projection(attended)
         return self.tensor_slice.row_parallel(self.output_projection, attended)
 
     @staticmethod

@@ -4,7 +4,7 @@ import keras
 import tensorflow as tf
 
 from tfgpt.layers.configured_layer import ConfiguredLayer, normal_initializer
-from tfgpt.parallel.tensor_parallel import current_slice, mark_split, sliced_initializer
+from tfgpt.parallel.tensor_parallel import current_slice
 
 
 @keras.saving.register_keras_serializable(package="tfgpt")
@@ -46,16 +46,12 @@ class TokenAndPositionEmbedding(ConfiguredLayer):
         )
         initializer = normal_initializer()
         self.tensor_slice = current_slice()
-        rows, token_initializer = vocabulary_size, initializer
-        if self.tensor_slice is not None:
-            rows = self.tensor_slice.rows(vocabulary_size, "vocabulary_size")[1]
-            token_initializer = sliced_initializer(
-                initializer, self.tensor_slice, (vocabulary_size, hidden_dim), (0, 1))
         self.token_embedding = self._embedding(
-            rows, hidden_dim, "token_embedding", token_initializer
+            self.tensor_slice.rows(vocabulary_size, "vocabulary_size")[1], hidden_dim,
+            "token_embedding",
+            self.tensor_slice.initializer(initializer, (vocabulary_size, hidden_dim), (0, 1)),
         )
-        if self.tensor_slice is not None:
-            mark_split(self.token_embedding, embeddings=(0, 1))
+        self.tensor_slice.mark_split(self.token_embedding, embeddings=(0, 1))
         self.position_embedding = self._embedding(
             max_sequence_length, hidden_dim, "position_embedding", initializer
         ) if learned_positions else None
@@ -78,11 +74,7 @@ class TokenAndPositionEmbedding(ConfiguredLayer):
                 left-padded batches; overrides `start_index`.
             training: bool. Enables dropout.
         """
-        if self.tensor_slice is None:
-            tokens = self.token_embedding(token_ids)  # (B, T, C)
-        else:
-            table = tf.cast(self.token_embedding.embeddings, self.compute_dtype)  # (V/T, C)
-            tokens = self.tensor_slice.embed(table, token_ids)  # (B, T, C)
+        tokens = self.tensor_slice.embed_tokens(self.token_embedding, token_ids)  # (B, T, C)
         if self.position_embedding is None:
             return self.embedding_dropout(tokens, training=training)  # (B, T, C)
         sequence_length = token_ids.shape[1]

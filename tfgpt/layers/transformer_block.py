@@ -9,7 +9,7 @@ from tfgpt.layers.causal_self_attention import CausalSelfAttention
 from tfgpt.layers.configured_layer import ConfiguredLayer, normal_initializer
 from tfgpt.layers.rms_norm import RMSNorm
 from tfgpt.layers.self_attention import SelfAttention
-from tfgpt.parallel.tensor_parallel import current_slice, mark_split, sliced_initializer
+from tfgpt.parallel.tensor_parallel import current_slice
 
 # The block's attention, by the name its `attention` argument takes.
 ATTENTION_LAYERS = {"causal": CausalSelfAttention, "bidirectional": SelfAttention}
@@ -138,15 +138,11 @@ class TransformerBlock(ConfiguredLayer):
         self.feedforward_norm = (None if residual == "parallel"
                                  else self._norm("feedforward_norm"))
         self.tensor_slice = current_slice()
-        self.local_intermediate = intermediate_dim
-        intermediate_initializer = output_initializer = initializer
-        if self.tensor_slice is not None:
-            self.local_intermediate = self.tensor_slice.rows(
-                intermediate_dim, "intermediate_dim")[1]
-            intermediate_initializer = sliced_initializer(
-                initializer, self.tensor_slice, (hidden_dim, intermediate_dim), (1, 1))
-            output_initializer = sliced_initializer(
-                initializer, self.tensor_slice, (intermediate_dim, hidden_dim), (0, 1))
+        self.local_intermediate = self.tensor_slice.rows(intermediate_dim, "intermediate_dim")[1]
+        intermediate_initializer = self.tensor_slice.initializer(
+            initializer, (hidden_dim, intermediate_dim), (1, 1))
+        output_initializer = self.tensor_slice.initializer(
+            initializer, (intermediate_dim, hidden_dim), (0, 1))
         gated = feedforward == "gated"
         # Gated: the activation acts on the gate, the intermediate multiplies it.
         self.feedforward_gate = self._dense(
@@ -164,12 +160,11 @@ class TransformerBlock(ConfiguredLayer):
         self.feedforward_output = self._dense(hidden_dim, "feedforward_output", output_initializer,
                                               use_bias=feedforward_bias)
         self.feedforward_dropout = self._dropout(dropout, "feedforward_dropout")
-        if self.tensor_slice is not None:
-            column = {"kernel": (1, 1), **({"bias": (0, 1)} if feedforward_bias else {})}
-            for layer in (self.feedforward_gate, self.feedforward_intermediate):
-                if layer is not None:
-                    mark_split(layer, **column)
-            mark_split(self.feedforward_output, kernel=(0, 1))
+        column = {"kernel": (1, 1), **({"bias": (0, 1)} if feedforward_bias else {})}
+        for layer in (self.feedforward_gate, self.feedforward_intermediate):
+            if layer is not None:
+                self.tensor_slice.mark_split(layer, **column)
+        self.tensor_slice.mark_split(self.feedforward_output, kernel=(0, 1))
 
     def _norm(self, name):
         if self.norm == "rms":
@@ -188,15 +183,11 @@ class TransformerBlock(ConfiguredLayer):
         self.built = True
 
     def _feedforward(self, x, training):
-        if self.tensor_slice is not None:
-            x = self.tensor_slice.copy_to_group(x)  # f
+        x = self.tensor_slice.copy_to_group(x)  # f
         hidden = self.feedforward_intermediate(x)  # (B, T, I), I/T under a slice
         if self.feedforward_gate is not None:
             hidden = self.feedforward_gate(x) * hidden  # (B, T, I)
-        if self.tensor_slice is not None:
-            x = self.tensor_slice.row_parallel(self.feedforward_output, hidden)  # (B, T, C)
-        else:
-            x = self.feedforward_output(hidden)  # (B, T, C)
+        x = self.tensor_slice.row_parallel(self.feedforward_output, hidden)  # (B, T, C)
         return self.feedforward_dropout(x, training=training)
 
     def call(self, inputs, padding_mask=None, cache=None, cache_index=0, positions=None,

@@ -52,7 +52,7 @@ def add_adapters(model, rank=8, alpha=16.0, dropout=0.0, targets=DEFAULT_TARGETS
     that names no projection of the model (the names it has are listed), and
     for a model split across a tensor group (not supported yet).
     """
-    if getattr(model, "tensor_slice", None) is not None:
+    if model.tensor_slice.size > 1:
         raise ValueError("adapters on a tensor-parallel model are not supported yet: "
                          "add them to the whole model")
     projections = _projections(model)

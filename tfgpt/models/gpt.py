@@ -8,7 +8,7 @@ from tfgpt.config import GPTConfig
 from tfgpt.layers.token_and_position_embedding import TokenAndPositionEmbedding
 from tfgpt.models.block_stack import BlockStack
 from tfgpt.models.configured_model import ConfiguredModel
-from tfgpt.parallel.tensor_parallel import current_slice, mark_split, sliced_initializer
+from tfgpt.parallel.tensor_parallel import current_slice
 
 
 @keras.saving.register_keras_serializable(package="tfgpt")
@@ -87,19 +87,16 @@ class GPT(BlockStack, ConfiguredModel):
         self.tensor_slice = current_slice()
         self.lm_head = None
         if not self.tie_embeddings:
-            units, initializer = self.vocabulary_size, keras.initializers.RandomNormal(stddev=0.02)
-            if self.tensor_slice is not None:
-                units = self.tensor_slice.rows(self.vocabulary_size, "vocabulary_size")[1]
-                initializer = sliced_initializer(
-                    initializer, self.tensor_slice,
-                    (self.hidden_dim, self.vocabulary_size), (1, 1))
             self.lm_head = keras.layers.Dense(
-                units, use_bias=config.lm_head_bias, kernel_initializer=initializer,
+                self.tensor_slice.rows(self.vocabulary_size, "vocabulary_size")[1],
+                use_bias=config.lm_head_bias,
+                kernel_initializer=self.tensor_slice.initializer(
+                    keras.initializers.RandomNormal(stddev=0.02),
+                    (self.hidden_dim, self.vocabulary_size), (1, 1)),
                 dtype=policy, name="lm_head",
             )
-            if self.tensor_slice is not None:
-                mark_split(self.lm_head, kernel=(1, 1),
-                           **({"bias": (0, 1)} if config.lm_head_bias else {}))
+            self.tensor_slice.mark_split(self.lm_head, kernel=(1, 1),
+                                         **({"bias": (0, 1)} if config.lm_head_bias else {}))
         self.build((None, None))
 
     def build(self, input_shape):
@@ -165,9 +162,7 @@ class GPT(BlockStack, ConfiguredModel):
         return logits
 
     def _project_to_vocabulary(self, x):
-        if self.tensor_slice is not None:
-            # f: every slice of the vocabulary reads the whole hidden state.
-            x = self.tensor_slice.copy_to_group(x)
+        x = self.tensor_slice.copy_to_group(x)  # f: each slice of the vocabulary reads it whole
         if self.lm_head is not None:
             logits = self.lm_head(x)
         else:

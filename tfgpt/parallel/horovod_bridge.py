@@ -394,7 +394,7 @@ class HorovodDistribution(LocalDistribution):
         Megatron-LM's `broadcast_data` does, ran eagerly outside the step
         and held a survivor forever once its peer died.)
         """
-        if self.tensor_slice is None and self.pipeline_process_set is None:
+        if self.state.data == self.state.size:
             yield from batches  # every rank computes on its own batches
             return
         for step, batch in enumerate(batches, 1):
@@ -410,7 +410,7 @@ class HorovodDistribution(LocalDistribution):
         weights = [tf.cast(tf.range(tf.size(value)) % 9973 + 1, tf.float64) for value in values]
         fingerprint = tf.add_n([tf.reduce_sum(value * weight)
                                 for value, weight in zip(values, weights)])
-        tensor_set = self.tensor_slice.process_set if self.tensor_slice is not None else None
+        tensor_set = self.tensor_slice.process_set
         for kind, group, process_set in (
                 ("tensor group", self.state.tensor_group(), tensor_set),
                 ("pipeline", self.state.pipeline_group(), self.pipeline_process_set)):

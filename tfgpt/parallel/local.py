@@ -5,6 +5,7 @@ import contextlib
 import tensorflow as tf
 
 from tfgpt.parallel.state import ParallelState
+from tfgpt.parallel.tensor_parallel import WHOLE
 
 
 class LocalDistribution:
@@ -15,8 +16,8 @@ class LocalDistribution:
     `distribute_dataset(fn)`, `run(fn, batch)`, `allreduce_gradients`,
     `allreduce_mean`, `broadcast_variables`, `configure_optimizer`,
     `data_shard()`, `state` (the `tfgpt.parallel.state.ParallelState`:
-    sizes, this rank's coordinates, ZeRO's stage), `tensor_slice` (None, or this rank's
-    `tfgpt.parallel.tensor_parallel.TensorSlice`) and
+    sizes, this rank's coordinates, ZeRO's stage), `tensor_slice` (this rank's
+    `tfgpt.parallel.tensor_parallel.TensorSlice`, `WHOLE` without one) and
     `towers` (how many slices of each batch the step runs side by side).
     Front ends build theirs with `create(options, config)`.
     """
@@ -29,8 +30,8 @@ class LocalDistribution:
     is_chief = True
     # Concurrent slices of each batch (tfgpt.parallel.cpu_threads).
     towers = 1
-    # This rank's slice of the blocks under tensor parallelism; None: whole.
-    tensor_slice = None
+    # This rank's slice of the blocks under tensor parallelism.
+    tensor_slice = WHOLE
     # One rank, the whole model, nothing sharded.
     state = ParallelState(size=1)
     # The front end's options (`tfgpt.config.distribution`) it was created

@@ -35,7 +35,7 @@ import tensorflow as tf
 
 from tfgpt.graph_function import graph_function
 from tfgpt.parallel.pipeline_schedule import BACKWARD, FORWARD
-from tfgpt.parallel.tensor_parallel import split_rules
+from tfgpt.parallel.tensor_parallel import WHOLE, split_rules
 from tfgpt.training.train_step import STEP_TIMES, _dense
 
 
@@ -294,8 +294,8 @@ class PipelineTrainStep:
         """
         # The last stage's copy of a tied table has the first stage's gradient: count it once.
         duplicate = self.stage.table if self.stage.tied and not self.stage.holds_first else None
-        tensor_slice = getattr(self.stage.model, "tensor_slice", None)
-        split = split_rules(self.stage.model) if tensor_slice is not None else {}
+        tensor_slice = getattr(self.stage.model, "tensor_slice", WHOLE)
+        split = split_rules(self.stage.model)
         squares = {True: [], False: []}
         for variable, gradient in zip(self.variables, gradients):
             if variable is not duplicate:
@@ -313,7 +313,7 @@ class PipelineTrainStep:
         total = self._hvd.allreduce(local, op=self._hvd.Sum, name="pipeline_loss_and_norm",
                                     process_set=self.pipeline_set)
         sliced = total[0]
-        if tensor_slice is not None:
+        if tensor_slice.size > 1:
             sliced = self._hvd.allreduce(sliced, op=self._hvd.Sum, name="pipeline_sliced_norm",
                                          process_set=tensor_slice.process_set)
         return total[2], tf.sqrt(sliced + total[1])

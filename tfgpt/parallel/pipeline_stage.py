@@ -120,7 +120,7 @@ class PipelineStage:
             x = self.model.final_norm(x)
         # Under tensor parallelism the logits are this slice's part of the vocabulary.
         return cross_entropy(targets, self.model._project_to_vocabulary(x),
-                             tensor_slice=getattr(self.model, "tensor_slice", None))
+                             tensor_slice=self.model.tensor_slice)
 
     def owned_variables(self, stage):
         """Every variable (trainable or not: dropout's random state too) of

@@ -28,7 +28,9 @@ parameters get the same gradient on every rank of a group, so gradients
 are averaged over the data group only.
 
 The layers take their slice when they are built inside `slice_scope`;
-outside it (and for T = 1) they are the whole, unsplit layers.
+outside it (and for T = 1) they hold `WHOLE`, whose operators are the
+plain ones, so a layer runs one code path at every T and the model code
+never asks whether it is split.
 
 Example (under `horovodrun -np 2`):
 >>> tensor_slice = TensorSlice(hvd, process_set, size=2, index=hvd.rank())
@@ -42,8 +44,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-# The slice the layers built now take; None builds whole layers.
-_current = [None]
+from tfgpt import kernels
 
 # Added to the seed of a dropout in a split region (attention
 # probabilities) times the slice index, so each slice draws its own masks
@@ -51,11 +52,55 @@ _current = [None]
 _SEED_STRIDE = 1_000_003
 
 
+class WholeSlice:
+    """The tensor slice of a model built whole (T = 1): each operator is the plain one.
+
+    Layers and models outside `slice_scope` hold `WHOLE`, with the same
+    methods as a `TensorSlice`: nothing is cut, marked or summed.
+    """
+
+    size, index, process_set = 1, 0, None
+
+    def rows(self, total, what="size"):
+        return 0, total
+
+    def initializer(self, initializer, whole_shape, rule):
+        return initializer
+
+    def mark_split(self, layer, **rules):
+        """Nothing is split: `split_rules` finds no rule."""
+
+    def copy_to_group(self, x):
+        return x
+
+    def row_parallel(self, dense, x):
+        return dense(x)
+
+    def embed_tokens(self, embedding, ids):
+        return embedding(ids)
+
+    def seed_dropout(self, dropout):
+        """Nothing to offset: one slice."""
+
+    def global_norm(self, gradients, split):
+        return tf.linalg.global_norm(gradients)
+
+    def cross_entropy(self, targets, logits):
+        """Per-token cross-entropy (B, T); tfgpt.kernels: one pass over the
+        logits in their own dtype on CPU."""
+        return kernels.sparse_cross_entropy(tf.cast(targets, "int32"), logits)
+
+
+WHOLE = WholeSlice()
+# The slice the layers built now take.
+_current = [WHOLE]
+
+
 @contextlib.contextmanager
 def slice_scope(tensor_slice):
-    """Layers created inside take `tensor_slice`'s part (None: whole layers)."""
+    """Layers created inside take `tensor_slice`'s part (None or T = 1: `WHOLE`)."""
     previous = _current[0]
-    _current[0] = tensor_slice if tensor_slice is not None and tensor_slice.size > 1 else None
+    _current[0] = tensor_slice if tensor_slice is not None and tensor_slice.size > 1 else WHOLE
     try:
         yield
     finally:
@@ -63,7 +108,7 @@ def slice_scope(tensor_slice):
 
 
 def current_slice():
-    """The `TensorSlice` of layers being built now, or None (whole layers)."""
+    """The `TensorSlice` of layers being built now (`WHOLE`: whole layers)."""
     return _current[0]
 
 
@@ -134,11 +179,6 @@ def sliced_initializer(initializer, tensor_slice, whole_shape, rule):
     return initialize
 
 
-def mark_split(layer, **rules):
-    """Records on `layer` which of its weights are split, by attribute name: `rule`s."""
-    layer.tensor_split = rules
-
-
 def split_rules(model):
     """`{id(variable): rule}` of the split variables of a model built in slices."""
     rules = {}
@@ -182,9 +222,7 @@ def split_seed_states(model):
 
 def whole_parameters(model):
     """`model.count_params()` of the whole model, from one slice of it (T x each split variable)."""
-    tensor_slice = getattr(model, "tensor_slice", None)
-    if tensor_slice is None:
-        return model.count_params()
+    tensor_slice = getattr(model, "tensor_slice", WHOLE)
     rules = split_rules(model)
     split = sum(int(np.prod(v.shape)) for v in model.trainable_variables if id(v) in rules)
     return model.count_params() + (tensor_slice.size - 1) * split
@@ -209,6 +247,14 @@ class TensorSlice:
     def rows(self, total, what="size"):
         """`(start, count)` of this slice's part of `total` rows."""
         return split_rows(total, self.size, self.index, what)
+
+    def initializer(self, initializer, whole_shape, rule):
+        """`sliced_initializer` of this slice."""
+        return sliced_initializer(initializer, self, whole_shape, rule)
+
+    def mark_split(self, layer, **rules):
+        """Records on `layer` which of its weights are split, by attribute name: `rule`s."""
+        layer.tensor_split = rules
 
     def _reduce(self, x, op):
         # Horovod's CPU reductions take float32, not bfloat16.
@@ -262,6 +308,10 @@ class TensorSlice:
         rows = tf.gather(table, tf.where(inside, local, 0))  # (B, T, C)
         rows = rows * tf.cast(inside, rows.dtype)[..., tf.newaxis]  # (B, T, C)
         return self.reduce_from_group(rows)
+
+    def embed_tokens(self, embedding, ids):
+        """`embed` of the vocabulary rows the `keras.layers.Embedding` holds."""
+        return self.embed(tf.cast(embedding.embeddings, embedding.compute_dtype), ids)
 
     def global_norm(self, gradients, split):
         """The global norm of the whole model's gradients, on every rank of the group.

@@ -58,7 +58,7 @@ import tensorflow as tf
 
 from tfgpt.layers.transformer_block import TransformerBlock
 from tfgpt.parallel.horovod_bridge import gradient_buckets
-from tfgpt.parallel.tensor_parallel import split_rules
+from tfgpt.parallel.tensor_parallel import WHOLE, split_rules
 
 STAGES = (0, 1, 2, 3)
 
@@ -172,11 +172,9 @@ class ZeroSharding:
         self.bucket_bytes = distribution.bucket_bytes
         self.variables = list(model.trainable_variables if variables is None else variables)
         # Tensor parallelism: which variables are slices, for the global norm.
-        self.tensor_slice = getattr(model, "tensor_slice", None)
-        if self.tensor_slice is not None:
-
-            rules = split_rules(model)
-            self._split = [id(variable) in rules for variable in self.variables]
+        self.tensor_slice = getattr(model, "tensor_slice", WHOLE)
+        rules = split_rules(model)
+        self._split = [id(variable) in rules for variable in self.variables]
         self.counts, self.offsets = [], []
         shards = []
         for variable in self.variables:
@@ -265,7 +263,7 @@ class ZeroSharding:
         Of the whole model's under tensor parallelism: the slices' squares
         summed over the tensor group, the replicated variables' once.
         """
-        if self.tensor_slice is None:
+        if self.tensor_slice.size == 1:
             return tf.sqrt(self.squares(shard_gradients))
         squares = [tf.reduce_sum(tf.square(tf.cast(g, tf.float32))) for g in shard_gradients]
         sliced = tf.add_n([s for s, split in zip(squares, self._split) if split] or [0.0])

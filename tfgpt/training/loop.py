@@ -164,7 +164,7 @@ def kernel_summary(config, distribution, model):
         dropout=backbone.config.dropout,
         masked=not isinstance(backbone, GPT),  # encoders pass a padding mask
         strategy=hasattr(distribution, "strategy"),
-        tensor_parallel=distribution.tensor_slice is not None,
+        tensor_parallel=distribution.state.tensor > 1,
         model_reasons=decoder_kernel_reasons(backbone.config) if isinstance(backbone, GPT)
         else None,
     )
@@ -285,12 +285,13 @@ def state_line(model, distribution, zero):
                         gathered=zero.largest_unit() if zero and stage == 3 else 0)
     gib = byte_size
     ranks = f"{distribution.size} rank(s)"
-    staged, tensor = distribution.state.pipelined, distribution.tensor_slice
-    if staged or tensor is not None:  # the layout's sizes, data x pipeline x tensor
+    state = distribution.state
+    if state.size > state.data:  # the layout's sizes, data x pipeline x tensor
+        staged, split = state.pipelined, state.tensor > 1
         ranks = (f"{distribution.size} data replica(s)"
-                 + (f" x pipeline {distribution.state.pipeline}" if staged else "")
-                 + (f" x tensor {tensor.size}" if tensor is not None else "")
-                 + ", this rank's " + ("stage's slice" if staged and tensor is not None
+                 + (f" x pipeline {state.pipeline}" if staged else "")
+                 + (f" x tensor {state.tensor}" if split else "")
+                 + ", this rank's " + ("stage's slice" if staged and split
                                        else "stage" if staged else "slice"))
     line = (
         f"state per rank (ZeRO stage {stage}, {ranks}): parameters "

@@ -6,25 +6,20 @@ import time
 import keras
 import tensorflow as tf
 
-from tfgpt import kernels
 from tfgpt.config.checks import require_positive_int
 from tfgpt.graph_function import graph_function
 from tfgpt.parallel.local import LocalDistribution
 from tfgpt.parallel.strategy import StrategyDistribution
-from tfgpt.parallel.tensor_parallel import split_rules
+from tfgpt.parallel.tensor_parallel import WHOLE, split_rules
 
 
-def cross_entropy(targets, logits, weights=None, tensor_slice=None):
+def cross_entropy(targets, logits, weights=None, tensor_slice=WHOLE):
     """Mean token cross-entropy in float32, optionally weighted (B, T) or (B, P).
 
     With a `tensor_slice` (`tfgpt.parallel.tensor_parallel`), `logits`
     are the slice's part of the vocabulary, combined over its tensor group.
     """
-    if tensor_slice is not None:
-        losses = tensor_slice.cross_entropy(targets, logits)
-    else:
-        # tfgpt.kernels: one pass over the logits in their own dtype on CPU.
-        losses = kernels.sparse_cross_entropy(tf.cast(targets, "int32"), logits)
+    losses = tensor_slice.cross_entropy(targets, logits)
     if weights is None:
         return tf.reduce_mean(losses)
     weights = tf.cast(weights, "float32")
@@ -35,7 +30,7 @@ def causal_lm_loss(model, batch, training):
     """Next-token loss of a decoder on an `(inputs, targets)` batch."""
     inputs, targets = batch
     logits = model(inputs, training=training)
-    return cross_entropy(targets, logits, tensor_slice=getattr(model, "tensor_slice", None)), {}
+    return cross_entropy(targets, logits, tensor_slice=getattr(model, "tensor_slice", WHOLE)), {}
 
 
 def _dense(gradient):
@@ -172,11 +167,9 @@ class TrainStep:
         self.zero = zero
         self.compute_delay = compute_delay
         # Tensor parallelism: which gradients are slices, for the global norm.
-        self.tensor_slice = getattr(model, "tensor_slice", None)
-        if self.tensor_slice is not None:
-
-            rules = split_rules(model)
-            self._split = [id(variable) in rules for variable in self.variables]
+        self.tensor_slice = getattr(model, "tensor_slice", WHOLE)
+        rules = split_rules(model)
+        self._split = [id(variable) in rules for variable in self.variables]
         # Micro-batches under ZeRO one after the other: each runs
         # collectives of the same names, which must not overlap. (10 is
         # tf.while_loop's default.)
@@ -267,10 +260,7 @@ class TrainStep:
 
     def _update_fn(self, gradients):
         loss_scale = _loss_scale(self.optimizer)
-        if self.tensor_slice is None:
-            gradient_norm = tf.linalg.global_norm(gradients)
-        else:
-            gradient_norm = self.tensor_slice.global_norm(gradients, self._split)
+        gradient_norm = self.tensor_slice.global_norm(gradients, self._split)
         if loss_scale is not None:
             gradient_norm = gradient_norm / tf.cast(loss_scale, gradient_norm.dtype)
             self.optimizer.apply(gradients, self.variables)

@@ -176,7 +176,6 @@ def train(train_config, model_overrides, distribution, callbacks=()):
     )
     refusals.check(refusals.Run.of(distribution.state, elastic=elastic, family=family,
                                    config=train_config))
-    tensor_slice = distribution.tensor_slice
     tensor_parallel.check_sizes(distribution.state.tensor, model_config)
     pipelined = distribution.state.pipelined
     if pipelined:
@@ -196,7 +195,7 @@ def train(train_config, model_overrides, distribution, callbacks=()):
         f"precision {train_config.mixed_precision}, xla {train_config.xla}, "
         f"{towers} tower(s) per replica"
     )
-    if tensor_slice is not None or pipelined:
+    if distribution.state.size > distribution.state.data:  # tensor or pipeline parallel
         report.info(distribution.state.describe())
     loop.start_up_warnings(report, train_config, train_config.steps, distribution)
 
@@ -206,7 +205,7 @@ def train(train_config, model_overrides, distribution, callbacks=()):
         train_config.steps,
     )
     parameters = f"{model.count_params():,} parameters"
-    if tensor_slice is not None:
+    if distribution.state.tensor > 1:
         parameters = (f"{tensor_parallel.whole_parameters(model):,} parameters "
                       f"({model.count_params():,} per tensor slice)")
     report.info(f"model: {parameters} {model_config}")
