@@ -6,7 +6,7 @@ import shutil
 
 import tensorflow as tf
 
-from tfgpt.checkpoint import files
+import tfgpt.checkpoint.files as files
 from tfgpt.checkpoint.files import INDEX_FILE, Reader, latest
 from tfgpt.checkpoint.state import model_entries
 from tfgpt.parallel.local import LocalDistribution
