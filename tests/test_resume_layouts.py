@@ -120,16 +120,18 @@ def test_each_layout_resumes_another_layouts_checkpoint_with_the_uninterrupted_l
             assert got[step] == pytest.approx(losses[writer][step], abs=1e-5), (
                 writer, reader, step)
 
-    # The ranks of a tensor group validate on one batch (their first rank's):
-    # the same loss as one process on the same model and batches.
+    # The ranks of a tensor group validate on one batch (their first rank's),
+    # and a pipeline through its stages, each rank holding its own: the same
+    # loss as one process on the same model and batches.
     def validation_loss(run_dir):
         lines = (run_dir / "metrics.jsonl").read_text().splitlines()
         records = [json.loads(line) for line in lines]
         [loss] = [record["loss"] for record in records if record["split"] == "val"]
         return loss
 
-    assert validation_loss(tmp_path / "tp2") == pytest.approx(
-        validation_loss(tmp_path / "pp2-on-one"), abs=1e-5)
+    for run in ("tp2", "pp2", "pp2-on-one", "dp2-on-pp2-interleaved"):
+        assert validation_loss(tmp_path / run) == pytest.approx(
+            validation_loss(tmp_path / "one"), abs=1e-5), run
 
     # Generation, export and conversion read any layout's checkpoint as the whole model.
     import tensorflow as tf
