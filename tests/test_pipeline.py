@@ -166,6 +166,8 @@ RUNS = {
         **{f"{name}-{count}": ["--schedule", name, "--microbatches", count, *UNTIED]
            for name, count in COUNTS},
         "dropout-first": DROPOUT,
+        # Each block's activations recomputed in the backward pass: the same training.
+        "recompute": ["--schedule", "1f1b", "--recompute", *CLIP],
     },
     # 2 data-parallel replicas x 2 stages, each pipeline on half the rows;
     # the stages' gradients averaged over the replicas, clipping by the
@@ -187,7 +189,7 @@ def pipeline_runs(tmp_path_factory):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_each_schedule_two_pipelines_and_bfloat16_match_one_process(pipeline_runs):
+def test_each_schedule_two_pipelines_recompute_and_bfloat16_match_one_process(pipeline_runs):
     runs = pipeline_runs
     oracle = runs["global"][0]
     assert oracle["norms"][0] > 0.3  # clipping acts: the norm must be global to match
@@ -197,6 +199,7 @@ def test_each_schedule_two_pipelines_and_bfloat16_match_one_process(pipeline_run
     np.testing.assert_allclose(runs["bf16"][1]["losses"], runs["global-bf16"][0]["losses"],
                                rtol=0, atol=2e-2)
     _assert_same_training(runs["pp2-dp2"], oracle, "2 pipelines of 2 stages")
+    _assert_same_training(runs["recompute"], oracle, "1F1B with --recompute")
 
 
 @pytest.mark.distributed

@@ -129,7 +129,9 @@ def test_workers_that_are_not_a_multiple_of_the_stages_is_one_error_line(tiny_da
 def test_pipeline_run_resumes_as_uninterrupted_and_its_checkpoint_reads_whole(tiny_data,
                                                                               tmp_path):
     whole, cut = tmp_path / "whole", tmp_path / "cut"
-    flags = [*PIPELINE, "--pipeline-schedule", "gpipe", "--pipeline-partition", "balanced"]
+    # (--recompute: each stage recomputes its blocks in the backward passes.)
+    flags = [*PIPELINE, "--pipeline-schedule", "gpipe", "--pipeline-partition", "balanced",
+             "--recompute"]
     code, output = _train_hvd(2, tiny_data, whole, "--steps", "4", "--save-every", "2", *flags)
     assert code == 0, output
     assert "pipeline: gpipe, 2 stages" in output and "validation loss" in output

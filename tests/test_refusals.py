@@ -58,8 +58,6 @@ CASES = [
                                                 "--xla: the pipeline's steps"),
     (Run(pipeline=2, config=_config(mixed_precision="float16")),
      "--pipeline-parallel 2 cannot be combined with --mixed-precision float16"),
-    (Run(pipeline=2, config=_config(recompute=True)),
-     "--pipeline-parallel 2 cannot be combined with --recompute"),
     (Run(pipeline=3, config=_config(towers=2)),
      "--pipeline-parallel 3 cannot be combined with --towers 2: a pipeline stage runs one tower"),
 ]

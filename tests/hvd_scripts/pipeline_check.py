@@ -25,6 +25,7 @@ Usage: pipeline_check.py OUT TAG [--global] [--schedule gpipe|1f1b|interleaved]
 [--microbatches M] [--stages P] [--virtual-stages V] [--partition uniform|balanced]
 [--clip C] [--dropout R] [--untied] [--layers L] [--die-at-step K]
 [--precision off|bfloat16] [--zero-stage S] [--rows R] [--tensor T] [--vocabulary V]
+[--recompute]
 """
 
 import argparse
@@ -36,6 +37,7 @@ import numpy as np
 
 from tfgpt import GPT
 from tfgpt.config.training import TrainConfig
+from tfgpt.layers.transformer_block import set_recompute
 from tfgpt.optim.optimizers import make_optimizer
 from tfgpt.parallel.tensor_parallel import split_rules
 from tfgpt.parallel.unallocated import allocated, build_unallocated
@@ -70,6 +72,7 @@ def main(argv=None):
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--die-at-step", type=int, default=0)
     parser.add_argument("--precision", default="off")
+    parser.add_argument("--recompute", action="store_true")
     parser.add_argument("--zero-stage", type=int, default=0)
     parser.add_argument("--rows", type=int, default=ROWS)
     parser.add_argument("--tensor", type=int, default=1)
@@ -101,6 +104,7 @@ def main(argv=None):
 
     with contextlib.nullcontext() if args.global_batch else distribution.scope():
         model = build() if args.global_batch else build_unallocated(build)
+    set_recompute(model, args.recompute)
     optimizer = make_optimizer(config, 1, steps=STEPS)
     rank = 0
     data = batches(args.rows, args.vocabulary)

@@ -118,8 +118,6 @@ REFUSALS = [
     (lambda r: r.pipeline > 1 and _precision(r, "float16"),
      P + " cannot be combined with --mixed-precision float16: loss scaling across stages is "
      "not supported; use bfloat16"),
-    (lambda r: r.pipeline > 1 and _config(r, lambda c: c.recompute),
-     P + " cannot be combined with --recompute: not supported with a pipeline yet"),
     (lambda r: r.pipeline > 1 and _config(r, lambda c: c.towers > 1),
      P + " cannot be combined with --towers {r.config.towers}: a pipeline stage runs one tower"),
 ]
