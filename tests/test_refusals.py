@@ -43,8 +43,6 @@ CASES = [
     (Run(tensor=2, family="albert", config=_config(preset="albert-demo")),
      "--tensor-parallel 2 splits GPT models only; --preset albert-demo is a albert model"),
     (Run(tensor=2, config=_config(xla=True)), "--tensor-parallel 2 does not combine with --xla yet"),
-    (Run(tensor=2, config=_config(recompute=True)),
-     "--tensor-parallel 2 does not combine with --recompute yet"),
     (Run(tensor=2, config=_config(optimizer="lamb")),
      "--tensor-parallel 2 does not combine with --optimizer lamb yet"),
     (Run(tensor=2, config=_config(mixed_precision="float16")),

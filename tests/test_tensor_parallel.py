@@ -135,6 +135,8 @@ CASES = {
     # GPT-J's shape: rotary, a parallel residual, a split head bias, no attention biases.
     "tp2-gptj": (2, ["--gptj"]),
     "tp2-dp2-clip": (4, ["--clip", "0.5"]),  # TP2 x DP2: gradients averaged over the data groups
+    # The blocks recomputed in the backward pass, their collectives with them.
+    "tp2-recompute": (2, ["--clip", "0.5", "--recompute"]),
 }
 
 

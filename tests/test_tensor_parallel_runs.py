@@ -77,7 +77,7 @@ def _command(data, run_dir, *extra, dropout="0.0"):
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_sigkill_and_resume_on_the_same_layout_is_bitwise(tiny_data, tmp_path):
-    tensor = ["--tensor-parallel", "2"]
+    tensor = ["--tensor-parallel", "2", "--recompute"]  # dropout recomputed in each slice
     killed = tmp_path / "killed"
     # The straight run, then the killed one, in one launch: the kill ends it.
     code, output = launch_until_killed(REPO / "train_hvd.py", 2, [

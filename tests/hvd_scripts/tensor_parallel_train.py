@@ -26,6 +26,7 @@ import numpy as np
 
 from tfgpt import GPT
 from tfgpt.config.training import TrainConfig
+from tfgpt.layers.transformer_block import set_recompute
 from tfgpt.optim.optimizers import make_optimizer
 from tfgpt.parallel.tensor_parallel import split_rules
 from tfgpt.parallel.zero import slot_variables
@@ -58,6 +59,7 @@ def main(argv=None):
     parser.add_argument("--untied", action="store_true")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--zero-stage", type=int, default=0)
+    parser.add_argument("--recompute", action="store_true")
     parser.add_argument("--gptj", action="store_true",
                         help="GPT-J's switches: parallel residual, interleaved partial rotary "
                              "positions, no attention biases, an untied head with a bias")
@@ -84,6 +86,7 @@ def main(argv=None):
         model = GPT(vocabulary_size=VOCABULARY, num_layers=2, num_heads=4, hidden_dim=16,
                     intermediate_dim=24, max_sequence_length=LENGTH, dropout=args.dropout,
                     **{"tie_embeddings": not args.untied, **gptj})
+    set_recompute(model, args.recompute)
     optimizer = make_optimizer(config, 1, steps=args.steps)
     zero = None
     if args.zero_stage:

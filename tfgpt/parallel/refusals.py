@@ -100,8 +100,6 @@ REFUSALS = [
      "bidirectional attention, embeddings and heads are not split)"),
     (lambda r: r.tensor > 1 and _config(r, lambda c: c.xla),  # Horovod ops in an XLA cluster
      T + " does not combine with --xla yet"),
-    (lambda r: r.tensor > 1 and _config(r, lambda c: c.recompute),
-     T + " does not combine with --recompute yet"),
     (lambda r: r.tensor > 1 and _config(r, lambda c: c.optimizer == "lamb"),  # per-variable norms
      T + " does not combine with --optimizer lamb yet"),
     (lambda r: r.tensor > 1 and _precision(r, "float16"),
