@@ -35,7 +35,7 @@ import tensorflow as tf
 
 from tfgpt.graph_function import graph_function
 from tfgpt.parallel.pipeline_schedule import BACKWARD, FORWARD
-from tfgpt.parallel.tensor_parallel import WHOLE, split_rules
+from tfgpt.parallel.tensor_parallel import split_rules
 from tfgpt.training.train_step import STEP_TIMES, _dense
 
 
@@ -294,7 +294,7 @@ class PipelineTrainStep:
         """
         # The last stage's copy of a tied table has the first stage's gradient: count it once.
         duplicate = self.stage.table if self.stage.tied and not self.stage.holds_first else None
-        tensor_slice = getattr(self.stage.model, "tensor_slice", WHOLE)
+        tensor_slice = self.stage.model.tensor_slice
         split = split_rules(self.stage.model)
         squares = {True: [], False: []}
         for variable, gradient in zip(self.variables, gradients):
