@@ -207,6 +207,10 @@ class ZeroSharding:
 
     # --- what the step differentiates and reduces ---------------------------------
 
+    # Micro-batches one after the other: each runs collectives of the same
+    # names, which must not overlap.
+    loop_parallelism = 1
+
     def gradient_sources(self):
         """The tf.Variables whose gradients the backward pass computes."""
         if self.stage == 3:

@@ -77,6 +77,33 @@ def _loss_scale(optimizer):
     return None
 
 
+class _WholeState:
+    """ZeRO stage 0 for the steps: every rank holds the whole state, whole
+    gradients are averaged through the distribution and update it on every
+    rank. The part of `tfgpt.parallel.zero.ZeroSharding`'s interface that
+    `TrainStep` and `EvalStep` use, so that each has one path."""
+
+    loop_parallelism = 10  # tf.while_loop's default: micro-batches may overlap
+
+    def __init__(self, step=None):
+        self._step = step
+
+    def gradient_sources(self):
+        return [variable.value for variable in self._step.variables]
+
+    def loss_scope(self):
+        return contextlib.nullcontext()
+
+    def reduce_micro_batch(self, gradients):
+        return gradients
+
+    def reduce_accumulated(self, gradients):
+        return self._step.distribution.allreduce_gradients(gradients)
+
+    def apply(self, gradients, loss_scale=None):
+        return self._step._update(gradients)
+
+
 class TrainStep:
     """Forward, backward, gradient averaging and the optimizer update.
 
@@ -164,16 +191,12 @@ class TrainStep:
         self.accumulation_steps = accumulation_steps
         self.towers = towers
         self.variables = model.trainable_variables
-        self.zero = zero
+        self.sharding = zero or _WholeState(self)
         self.compute_delay = compute_delay
         # Tensor parallelism: which gradients are slices, for the global norm.
         self.tensor_slice = getattr(model, "tensor_slice", WHOLE)
         rules = split_rules(model)
         self._split = [id(variable) in rules for variable in self.variables]
-        # Micro-batches under ZeRO one after the other: each runs
-        # collectives of the same names, which must not overlap. (10 is
-        # tf.while_loop's default.)
-        self._loop_parallelism = 1 if zero else 10
         self.compiled = _compiled_parts(distribution, xla, zero)
         self._forward_backward = self._forward_backward_fn
         self._update = self._update_fn
@@ -210,10 +233,9 @@ class TrainStep:
     def _forward_backward_fn(self, batch):
         # Sources are the tf.Variables inside the Keras 3 variables (under
         # ZeRO stage 3, those of this rank's shards).
-        sources = (self.zero.gradient_sources() if self.zero
-                   else [v.value for v in self.variables])
+        sources = self.sharding.gradient_sources()
         with tf.GradientTape() as tape:
-            with self.zero.loss_scope() if self.zero else contextlib.nullcontext():
+            with self.sharding.loss_scope():
                 loss, metrics = self._towers_loss(batch)
             scaled_loss = self.optimizer.scale_loss(loss)
         gradients = tape.gradient(scaled_loss, sources)
@@ -225,9 +247,7 @@ class TrainStep:
 
     def _micro_batch(self, batch):
         loss, metrics, gradients = self._forward_backward(batch)
-        if self.zero:
-            gradients = self.zero.reduce_micro_batch(gradients)
-        return loss, metrics, gradients
+        return loss, metrics, self.sharding.reduce_micro_batch(gradients)
 
     def _accumulate(self, batch):
         count = self.accumulation_steps
@@ -249,7 +269,7 @@ class TrainStep:
             lambda index, *_: index < count,
             add_micro_batch,
             (tf.constant(1), loss, metrics, gradients),
-            parallel_iterations=self._loop_parallelism,
+            parallel_iterations=self.sharding.loop_parallelism,
         )
         scale = 1.0 / count
         return (
@@ -288,14 +308,10 @@ class TrainStep:
                 batch = tf.nest.map_structure(tf.identity, batch)
         loss, metrics, gradients = self._accumulate(batch)
         computed = _timestamp_after(gradients) if timed else None
-        if self.zero:
-            gradients = self.zero.reduce_accumulated(gradients)
-            reduced = _timestamp_after(gradients) if timed else None
-            gradient_norm = self.zero.apply(gradients, _loss_scale(self.optimizer))
-        else:
-            gradients = self.distribution.allreduce_gradients(gradients)
-            reduced = _timestamp_after(gradients) if timed else None
-            gradient_norm = self._update(gradients)
+        # Averaged whole, or (ZeRO) reduced to this rank's shards, then applied.
+        gradients = self.sharding.reduce_accumulated(gradients)
+        reduced = _timestamp_after(gradients) if timed else None
+        gradient_norm = self.sharding.apply(gradients, _loss_scale(self.optimizer))
         result = {"loss": loss, "gradient_norm": gradient_norm, **metrics}
         if timed:
             result[STEP_TIMES] = tf.stack([computed - start, reduced - computed])
@@ -315,11 +331,11 @@ class EvalStep:
     def __init__(self, model, loss_fn=causal_lm_loss, xla=False, zero=None):
         self.model = model
         self.loss_fn = loss_fn
-        self.zero = zero
+        self.sharding = zero or _WholeState()
         self._step = graph_function(self._step_fn, jit_compile=xla and zero is None)
 
     def _step_fn(self, batch):
-        with self.zero.loss_scope() if self.zero else contextlib.nullcontext():
+        with self.sharding.loss_scope():
             return self.loss_fn(self.model, batch, False)
 
     def __call__(self, *batch):
