@@ -73,7 +73,7 @@ def finetune(config, model_overrides=None, distribution=None, callbacks=()):
         distribution = LocalDistribution()
     refusals.check(refusals.Run.of(
         distribution.state, elastic=getattr(distribution.options, "elastic", False),
-        command="finetuning"))
+        command="finetuning", config=config))
     model_overrides = dict(model_overrides or {})
     out = config.out
 

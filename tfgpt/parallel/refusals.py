@@ -84,6 +84,10 @@ REFUSALS = [
     (lambda r: r.tensor > 1 and r.zero_stage > 1,
      T + " does not combine with --zero-stage {r.zero_stage}: use --zero-stage 1, which "
      "shards each slice's optimizer state over its replicas"),
+    (lambda r: r.zero_stage == 3 and _config(r, lambda c: c.xla),
+     "--xla cannot compile a --zero-stage 3 step: its forward pass gathers each block's "
+     "weights with Horovod collectives, which XLA cannot run; use --zero-stage 1 or 2 with "
+     "--xla"),
     (lambda r: r.command == "fit" and r.zero_stage,
      "model.fit averages whole gradients on every worker; --zero-stage {r.zero_stage} "
      "(sharded state) needs train_hvd.py or finetune_hvd.py under horovodrun"),

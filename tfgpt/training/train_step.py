@@ -45,13 +45,7 @@ def _compiled_parts(distribution, xla, zero):
 
     if not xla:
         return ()
-    if zero is not None:
-        if zero.stage == 3:
-            raise ValueError(
-                "--xla cannot compile a --zero-stage 3 step: its forward pass gathers "
-                "each block's weights with Horovod collectives, which XLA cannot run; "
-                "use --zero-stage 1 or 2 with --xla"
-            )
+    if zero is not None:  # (stage 3 is refused: tfgpt.parallel.refusals)
         return ("compute",)
     if isinstance(distribution, StrategyDistribution):
         return ("compute",)
