@@ -151,20 +151,26 @@ class PipelineTrainStep:
         splits = [0] * self.schedule.stages
         if mine:
             splits[mine[0].destination] = rows
-        sent = outgoing if mine else empty
-        # Horovod's alltoall takes no bfloat16: its bits travel as uint16.
-        bits = sent.dtype == tf.bfloat16
-        output, _ = self._hvd.alltoall(
-            tf.bitcast(sent, tf.uint16) if bits else sent, splits=splits,
-            name=f"pipeline_tick_{tick}", process_set=self.pipeline_set,
-        )
-        if bits:
-            output = tf.bitcast(output, tf.bfloat16)
+        output = self._send(outgoing if mine else empty, splits, f"pipeline_tick_{tick}")
         # Rows arrive in the order of the sending ranks.
         incoming = sorted((t for t in transfers if t.destination == rank), key=lambda t: t.source)
         for offset, transfer in enumerate(incoming):
             key = (transfer.kind, transfer.microbatch, transfer.virtual_stage)
             received[key] = output[offset * rows:(offset + 1) * rows]  # (b, T, C)
+
+    def _send(self, sent, splits, name):
+        """One alltoall over the pipeline: `splits[r]` rows of `sent` to rank r;
+        returns what this rank receives."""
+        # Horovod's alltoall takes no bfloat16: its bits travel as uint16.
+        bits = sent.dtype == tf.bfloat16
+        output, _ = self._hvd.alltoall(tf.bitcast(sent, tf.uint16) if bits else sent,
+                                       splits=splits, name=name, process_set=self.pipeline_set)
+        return tf.bitcast(output, tf.bfloat16) if bits else output
+
+    def _empty(self, length):
+        """Zero rows of hidden states (0, T, C): what a rank with nothing to send sends."""
+        model = self.stage.model
+        return tf.zeros([0, length, model.hidden_dim], model.compute_dtype)
 
     # ---- the step -------------------------------------------------------------------
 
@@ -173,8 +179,7 @@ class PipelineTrainStep:
         count = self.schedule.microbatches
         rows = inputs.shape[0] // count
         inputs, targets = tf.split(inputs, count), tf.split(targets, count)  # M x (b, T)
-        empty = tf.zeros([0, inputs[0].shape[1], self.stage.model.hidden_dim],
-                         self.stage.model.compute_dtype)
+        empty = self._empty(inputs[0].shape[1])
         received, saved, losses, times = {}, {}, [], []
         gradients = [None] * len(self.variables)
         loop_begin = time.perf_counter()
@@ -230,28 +235,20 @@ class PipelineTrainStep:
         inputs, targets = batch
         rank, last = self.stage.rank, self.stage.last
         x = inputs
-        loss = tf.constant(0.0)
-        for virtual_stage in range(last + 1):
-            owner = self.schedule.rank_of(virtual_stage)
+        for virtual_stage in range(last):  # each stage before the last, then its hop
+            owner, receiver = (self.schedule.rank_of(virtual_stage),
+                               self.schedule.rank_of(virtual_stage + 1))
             if owner == rank:
-                x = self._evaluations[virtual_stage](x, targets if virtual_stage == last else None)
-            if virtual_stage == last:
-                if owner == rank:
-                    loss = x
-                break
-            receiver = self.schedule.rank_of(virtual_stage + 1)
+                x = self._evaluations[virtual_stage](x, None)
             if receiver != owner:
                 splits = [0] * self.schedule.stages
                 if rank == owner:
                     splits[receiver] = inputs.shape[0]
-                sent = x if rank == owner else tf.zeros(
-                    [0, inputs.shape[1], self.stage.model.hidden_dim],
-                    self.stage.model.compute_dtype)
-                bits = sent.dtype == tf.bfloat16  # as in `_exchange`
-                output, _ = self._hvd.alltoall(
-                    tf.bitcast(sent, tf.uint16) if bits else sent, splits=splits,
-                    name=f"pipeline_evaluate_{virtual_stage}", process_set=self.pipeline_set)
-                x = tf.bitcast(output, tf.bfloat16) if bits else output
+                x = self._send(x if rank == owner else self._empty(inputs.shape[1]), splits,
+                               f"pipeline_evaluate_{virtual_stage}")
+        loss = tf.constant(0.0)
+        if self.schedule.rank_of(last) == rank:
+            loss = self._evaluations[last](x, targets)
         loss = self._hvd.allreduce(loss, op=self._hvd.Sum, name="pipeline_evaluate_loss",
                                    process_set=self.pipeline_set)
         return loss, {}
