@@ -21,10 +21,13 @@ OPERATORS_SCRIPT = REPO / "tests" / "hvd_scripts" / "tensor_parallel_check.py"
 # ---- The layout (no processes) ---------------------------------------------------
 
 
-@pytest.mark.parametrize("size, tensor, pipeline", [(8, 2, 2), (6, 3, 1), (4, 1, 2), (2, 2, 1)])
+@pytest.mark.parametrize("size, tensor, pipeline",
+                         [(8, 2, 2), (6, 3, 1), (4, 1, 2), (2, 2, 1), (3, 1, 1)])
 def test_layout_numbers_ranks_tensor_innermost(size, tensor, pipeline):
     layout = ParallelState(size, tensor=tensor, pipeline=pipeline)
     assert layout.data == size // (tensor * pipeline)
+    # Split: some rank does not hold the whole model (its data group is not every rank).
+    assert layout.split == (layout.data < size)
     # Every rank once, at the coordinates of the nested loops data > pipeline > tensor.
     expected = list(itertools.product(range(layout.data), range(pipeline), range(tensor)))
     assert [layout.coordinates(rank) for rank in range(size)] == expected

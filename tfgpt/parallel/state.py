@@ -75,6 +75,12 @@ class ParallelState:
         return self.size // (self.tensor * self.pipeline)
 
     @property
+    def split(self):
+        """Whether the model is split across ranks (tensor or pipeline parallelism):
+        not every rank holds all of it."""
+        return self.tensor * self.pipeline > 1
+
+    @property
     def pipelined(self):
         """Whether the model is cut into pipeline stages (`--pipeline-parallel` above 1)."""
         return self.pipeline > 1

@@ -286,7 +286,7 @@ def state_line(model, distribution, zero):
     gib = byte_size
     ranks = f"{distribution.size} rank(s)"
     state = distribution.state
-    if state.size > state.data:  # the layout's sizes, data x pipeline x tensor
+    if state.split:  # the layout's sizes, data x pipeline x tensor
         staged, split = state.pipelined, state.tensor > 1
         ranks = (f"{distribution.size} data replica(s)"
                  + (f" x pipeline {state.pipeline}" if staged else "")

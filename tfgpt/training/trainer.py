@@ -195,7 +195,7 @@ def train(train_config, model_overrides, distribution, callbacks=()):
         f"precision {train_config.mixed_precision}, xla {train_config.xla}, "
         f"{towers} tower(s) per replica"
     )
-    if distribution.state.size > distribution.state.data:  # tensor or pipeline parallel
+    if distribution.state.split:
         report.info(distribution.state.describe())
     loop.start_up_warnings(report, train_config, train_config.steps, distribution)
 
