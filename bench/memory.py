@@ -15,7 +15,7 @@ ZeRO (`--zero-stage S [S ...]`): each (preset, workers, stage) is one
 `horovodrun -np N --gloo -H localhost:N python -m bench.memory worker
 --zero-stage S ...` job. Its ranks build the model, the optimizer and the
 `ZeroSharding` as `train_hvd.py --zero-stage S` does
-(`tfgpt.training.loop.build_model_and_optimizer`, then `broadcast_state`),
+(`tfgpt.training.loop.build_model_and_optimizer`, then `RunPart.broadcast`),
 run `TrainStep` on random tokens, and each writes its own figures to a JSON
 file that this process collects (`ru_maxrss` of a horovodrun child would
 be horovodrun's, not a rank's):
@@ -242,21 +242,21 @@ def zero_worker(args):
     from tfgpt.parallel.zero import state_bytes
     from tfgpt.training import loop
     from tfgpt.training.front_end import exit_after_run
-    from tfgpt.training.train_step import TrainStep
 
     distribution = HorovodDistribution(zero_stage=args.zero_stage)
     distribution.configure_devices(towers=1)
     runtime = _status_kib("VmRSS")
     config = TrainConfig(data="-", warmup_steps=0, xla=args.xla)
-    model, optimizer, step_variable, zero = loop.build_model_and_optimizer(
+    part = loop.build_model_and_optimizer(
         config, distribution, lambda: GPT.from_preset(args.preset, dropout=0.0), args.steps
     )
+    model, zero = part.model, part.sharding
     if args.recompute and not set_recompute(model, True):
         raise ValueError(f"--recompute: --preset {args.preset} has no transformer blocks")
-    step = TrainStep(model, optimizer, distribution, xla=args.xla, zero=zero)
-    loop.broadcast_state(distribution, model, optimizer, step_variable, zero)
+    step = part.train_step(xla=args.xla)
+    part.broadcast()
     parameters = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
-    unit = zero.largest_unit() if zero and zero.stage == 3 else 0
+    unit = zero.largest_unit()
     length = args.sequence_length or model.max_sequence_length
     # Every rank its own tokens, as data parallelism gives it.
     tokens = np.random.default_rng(distribution.rank).integers(

@@ -17,7 +17,7 @@ import tensorflow as tf
 
 from tests.launch import REPO, run
 from tfgpt.checkpoint import RunCheckpointer
-from tfgpt.checkpoint.state import Entry, replicated_optimizer_variables
+from tfgpt.checkpoint.state import Entry
 from tfgpt.config import TrainConfig
 from tfgpt.optim.fused_adamw import FusedAdamW
 from tfgpt.optim.optimizers import (
@@ -27,7 +27,7 @@ from tfgpt.optim.optimizers import (
 )
 from tfgpt.optim.schedules import WarmupDecay
 from tfgpt.parallel import LocalDistribution
-from tfgpt.parallel.zero import slot_variables
+from tfgpt.parallel.zero import replicated_optimizer_variables, slot_variables
 from tfgpt.training.train_step import TrainStep
 
 # make_optimizer's AdamW settings, with a warmup so the rate changes per step.

@@ -34,6 +34,7 @@ from tfgpt import GPT
 from tfgpt.config.training import TrainConfig
 from tfgpt.layers.transformer_block import set_recompute
 from tfgpt.optim.optimizers import make_optimizer
+from tfgpt.training import loop
 from tfgpt.training.loop import POLICIES
 from tfgpt.training.train_step import TrainStep, cross_entropy
 
@@ -96,14 +97,10 @@ def main(argv=None):
     if args.recompute:
         set_recompute(model, True)
     optimizer = make_optimizer(config, 1, steps=STEPS)
-    zero = None
-    if args.stage:
-        from tfgpt.parallel.zero import ZeroSharding
-
-        distribution.broadcast_variables(model.variables)
-        zero = ZeroSharding(args.stage, model, optimizer, distribution)
-    else:
-        optimizer.build(model.trainable_variables)
+    # The run core's part: ZeroSharding at --stage 1-3, Unsharded at 0.
+    step_variable = tf.Variable(0, dtype=tf.int64)
+    part = loop.RunPart(model, optimizer, step_variable, distribution)
+    zero = part.sharding
 
     overflow = tf.Variable(False)
 
@@ -125,13 +122,8 @@ def main(argv=None):
         return
     start, checkpointer = 0, None
     if args.checkpoint:
-        from tfgpt.training import loop
-
-        step_variable = tf.Variable(0, dtype=tf.int64)
-        checkpointer = loop.make_checkpointer(
-            types.SimpleNamespace(out=args.checkpoint, keep_checkpoints=2), distribution, model,
-            optimizer, step_variable, zero,
-        )
+        checkpointer = part.checkpointer(
+            types.SimpleNamespace(out=args.checkpoint, keep_checkpoints=2))
         if not args.stop_at:
             checkpointer.restore_latest()
             start = int(step_variable.numpy())
@@ -144,7 +136,7 @@ def main(argv=None):
     if args.stop_at:
         step_variable.assign(args.stop_at)
         checkpointer.save(args.stop_at)
-    weights = ([w.numpy() for w in zero.gather_weights()] if zero
+    weights = ([w.numpy() for w in zero.gather_weights()] if args.stage
                else [v.numpy() for v in model.trainable_variables])
     iterations = int(getattr(optimizer, "inner_optimizer", optimizer).iterations.numpy())
     np.savez(

@@ -21,7 +21,7 @@ import keras
 
 from tfgpt.parallel.tensor_parallel import WHOLE, split_rules, split_seed_states
 from tfgpt.parallel.unallocated import allocated
-from tfgpt.parallel.zero import slot_variables
+from tfgpt.parallel.zero import replicated_optimizer_variables, slot_variables
 
 
 @dataclasses.dataclass
@@ -103,12 +103,6 @@ def seed_keys(root):
             for index, layer in enumerate(layers)]
 
 
-def replicated_optimizer_variables(optimizer):
-    """The optimizer's variables that are not moments: its counters, the loss scale."""
-    moments = {id(v) for variables in slot_variables(optimizer).values() for v in variables}
-    return [v for v in optimizer.variables if id(v) not in moments]
-
-
 def model_entries(model, prefix=""):
     """The whole `model`'s weights (no dropout states), for one process to load."""
     names = key_names(model)
@@ -117,26 +111,24 @@ def model_entries(model, prefix=""):
             if id(v) not in seeds]
 
 
-def run_entries(model, optimizer, coordinates, *, tensor_slice=WHOLE, zero=None, stage=None,
+def run_entries(model, optimizer, coordinates, sharding, *, tensor_slice=WHOLE, stage=None,
                 counters=()):
     """Every part of a run's state that this rank holds, with who writes it.
 
     Args:
         model: the whole model (of this tensor slice).
-        optimizer: built on `zero.shards`, the stage's variables or the model's.
+        optimizer: built on what `sharding` updates.
         coordinates: `(data index, pipeline stage, tensor index)` of this rank.
+        sharding: `ZeroSharding` or `Unsharded` (`tfgpt.parallel.zero`) of
+            what this rank trains.
         tensor_slice: `TensorSlice` of the model (`WHOLE`: not split).
-        zero: `ZeroSharding`, or None.
         stage: `PipelineStage`, or None.
         counters: `[(key, variable)]` of what the chief writes alone (the step).
     """
     data_index, _, tensor_index = coordinates
     chief = tuple(coordinates) == (0, 0, 0)
     rules = split_rules(model)
-    if zero is not None:
-        trained = zero.variables
-    else:
-        trained = stage.trainable_variables if stage is not None else model.trainable_variables
+    trained = sharding.variables
 
     def region(variable):
         rule = rules.get(id(variable))
@@ -154,14 +146,8 @@ def run_entries(model, optimizer, coordinates, *, tensor_slice=WHOLE, zero=None,
     slots = slot_variables(optimizer)
     for index, variable in enumerate(trained):
         shape, split, tensor = region(variable)
-        writes = trains(variable) and (split is not None or tensor_index == 0)
-        holder, rows = variable, None
-        if zero is not None:
-            start, count = zero.offsets[index][zero.rank], zero.counts[index][zero.rank]
-            holder, rows = zero.shards[index], (start, start + count, variable.shape[0])
-            writes = writes and count > 0
-        else:
-            writes = writes and data_index == 0
+        holder, rows, writes = sharding.held(index, data_index)
+        writes = writes and trains(variable) and (split is not None or tensor_index == 0)
         key = relative_key(variable, names)
         entries.append(Entry(key, holder, shape, split, tensor, rows, writes))
         entries += [Entry(f"{key}/{name}", moments[index], shape, split, tensor, rows, writes)

@@ -44,7 +44,6 @@ from tfgpt.observe.reporter import Reporter
 from tfgpt.parallel import refusals
 from tfgpt.parallel.local import LocalDistribution
 from tfgpt.training import loop
-from tfgpt.training.train_step import TrainStep
 
 PREDICTIONS_FILE = "predictions.json"
 RESULTS_FILE = "eval_results.json"
@@ -132,9 +131,8 @@ def finetune(config, model_overrides=None, distribution=None, callbacks=()):
         return build_task_model(config.task, backbone, len(labels), config.classifier_dropout)
 
     # Optimizer, with the model.
-    model, optimizer, step, zero = loop.build_model_and_optimizer(
-        config, distribution, build_model, steps
-    )
+    part = loop.build_model_and_optimizer(config, distribution, build_model, steps)
+    model, optimizer, step = part.model, part.optimizer, part.step
     family, model_config = found["family"], found["model_config"]
     report = Reporter(out, distribution.is_chief)
     towers = loop.towers_of(config, distribution)
@@ -149,21 +147,18 @@ def finetune(config, model_overrides=None, distribution=None, callbacks=()):
     )
     loop.start_up_warnings(report, config, steps, distribution)
     report.info(f"model: {model.count_params():,} parameters {model_config}")
-    report.info(loop.state_line(model, distribution, zero))
-    train_step = TrainStep(
-        model,
-        optimizer,
-        distribution,
+    for line in part.describe():
+        report.info(line)
+    train_step = part.train_step(
         loss_fn=classification_loss if config.task == "classification" else span_loss,
         xla=config.xla,
         accumulation_steps=config.accumulation_steps,
         towers=towers,
-        zero=zero,
         compute_delay=loop.compute_delay(callbacks),
     )
 
     # Checkpoints: the chief saves model, optimizer, step and dropout state.
-    checkpointer = loop.make_checkpointer(config, distribution, model, optimizer, step, zero)
+    checkpointer = part.checkpointer(config)
     if saved:
         checkpointer.restore_latest()
         report.info(f"resumed from {checkpointer.latest} at step {int(step.numpy())}")
@@ -181,7 +176,7 @@ def finetune(config, model_overrides=None, distribution=None, callbacks=()):
     )
     if distribution.is_chief:
         copy_tokenizer(tokenizer, out)
-    loop.broadcast_state(distribution, model, optimizer, step, zero)
+    part.broadcast()
 
     # Data: each worker's part; a resumed run replays the seeded stream.
     replicas_per_worker = distribution.size // distribution.num_workers
@@ -216,8 +211,7 @@ def finetune(config, model_overrides=None, distribution=None, callbacks=()):
     del batches
 
     # Evaluation: every worker predicts its share; all of them see the result.
-    if zero is not None and zero.stage == 3:
-        zero.materialize()  # the predictions run the whole model, not a loss
+    part.sharding.materialize()  # ZeRO-3: the predictions run the whole model, not a loss
     if validation is not None:
         if config.task == "classification":
             predictions, results = evaluate_classification(

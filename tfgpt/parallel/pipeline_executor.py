@@ -62,9 +62,10 @@ class PipelineTrainStep:
         data_set: Horovod process set of this stage's data-parallel
             replicas, or None without data parallelism.
         zero: `tfgpt.parallel.zero.ZeroSharding` of the stage's
-            variables over `data_set` (`--zero-stage 1`), or None: the
-            accumulated gradients are then reduce-scattered over the
-            replicas instead of averaged, and each rank updates its shards.
+            variables over `data_set` (`--zero-stage 1`): the accumulated
+            gradients are then reduce-scattered over the replicas instead
+            of averaged, and each rank updates its shards; or `Unsharded`
+            or None (stage 0).
         timed: bool. Also return `tick_times`, `(start, end)` of each busy
             tick's computation, and `loop_time`, that of all the ticks
             (`time.perf_counter()` seconds; `bench/pipeline_schedules.py`).
@@ -86,7 +87,7 @@ class PipelineTrainStep:
         self.pipeline_set = pipeline_set
         self.data_set = data_set
         self.timed = timed
-        self.zero = zero
+        self.zero = zero if getattr(zero, "stage", 0) else None
         self.variables = stage.trainable_variables
         self._index = {id(v): index for index, v in enumerate(self.variables)}
         # One compiled forward pass per virtual stage of this rank, and the update.
@@ -100,8 +101,8 @@ class PipelineTrainStep:
             for stage_index in stage.chunks
         }
         self._update = graph_function(self._update_fn)
-        if zero is not None:
-            self._reduce_scatter = graph_function(zero.reduce_accumulated)
+        if self.zero is not None:
+            self._reduce_scatter = graph_function(self.zero.reduce_accumulated)
 
     def __call__(self, *batch):
         return self._step_fn(batch[0] if len(batch) == 1 else batch)

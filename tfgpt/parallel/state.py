@@ -157,6 +157,21 @@ class ParallelState:
             f"tensor {self.tensor} (tensor groups {self.tensor_groups()}); " + "; ".join(parts)
         )
 
+    def ranks_phrase(self, replicas):
+        """The start-up lines' words for the ranks: `replicas` rank(s) (a
+        `tf.distribute` strategy's replicas), or, with the model split, the
+        data replicas times the split and which part this rank holds.
+
+        >>> ParallelState(size=8, pipeline=2, tensor=2).ranks_phrase(2)
+        "2 data replica(s) x pipeline 2 x tensor 2, this rank's stage's slice"
+        """
+        if not self.split:
+            return f"{replicas} rank(s)"
+        staged, sliced = self.pipelined, self.tensor > 1
+        part = "stage's slice" if staged and sliced else "stage" if staged else "slice"
+        return (f"{self.data} data replica(s)" + (f" x pipeline {self.pipeline}" if staged else "")
+                + (f" x tensor {self.tensor}" if sliced else "") + f", this rank's {part}")
+
     def process_sets(self, hvd, rank=None):
         """`rank`'s Horovod process sets: `{"tensor": ..., "pipeline": ..., "data": ...}`.
 

@@ -45,6 +45,10 @@ slices' squares over the tensor group; a pipeline stage's step
 (`tfgpt.parallel.pipeline_executor`) shards only the stage's
 variables and gives `apply` the norm over every stage (and slice).
 
+Stage 0 is `Unsharded`, with the same interface: the run core, the steps
+and the checkpoint ask the run's sharding (`shard_state` builds it) and
+never which stage runs.
+
 Example (under `horovodrun -np 2`):
 >>> sharding = ZeroSharding(2, model, optimizer, distribution)
 >>> sharding.shards[0].shape  # the first rows of the first variable
@@ -59,6 +63,7 @@ import tensorflow as tf
 from tfgpt.layers.transformer_block import TransformerBlock
 from tfgpt.parallel.horovod_bridge import gradient_buckets
 from tfgpt.parallel.tensor_parallel import WHOLE, split_rules
+from tfgpt.parallel.unallocated import allocated
 
 STAGES = (0, 1, 2, 3)
 
@@ -72,6 +77,115 @@ def slot_variables(optimizer):
     """`{slot name: [variable per trainable variable]}` of a built optimizer."""
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     return {name: list(getattr(inner, attribute, [])) for name, attribute in SLOTS.items()}
+
+
+def replicated_optimizer_variables(optimizer):
+    """The optimizer's variables that are not moments: its counters, the loss scale."""
+    moments = {id(v) for variables in slot_variables(optimizer).values() for v in variables}
+    return [v for v in optimizer.variables if id(v) not in moments]
+
+
+def shard_state(model, optimizer, distribution, variables=None):
+    """The run's sharding of `variables` (the model's trainable ones by
+    default; a pipeline stage's): `ZeroSharding` at the distribution's ZeRO
+    stage 1-3, cut from rank 0's weights, or `Unsharded`; the optimizer is
+    built on what this rank updates."""
+    stage = distribution.state.zero_stage
+    if not stage:
+        optimizer.build(list(model.trainable_variables if variables is None else variables))
+        return Unsharded(model, optimizer, distribution, variables)
+    distribution.broadcast_variables([v for v in model.variables if allocated(v)])
+    return ZeroSharding(stage, model, optimizer, distribution, variables=variables)
+
+
+class Unsharded:
+    """ZeRO stage 0: every rank of a data group holds the whole state of what it trains.
+
+    Whole gradients are averaged through the distribution and update the
+    variables on every rank. `ZeroSharding`'s interface, for the steps
+    (`gradient_sources` ... `apply`) and for the run core (`held`,
+    `broadcast_set`, `after_restore`, `largest_unit`, `materialize`).
+
+    Args:
+        model: keras.Model (of this rank's tensor slice).
+        optimizer: the run's optimizer (None: a step that does not train).
+        distribution: its `allreduce_gradients` averages the gradients
+            (None: one process).
+        variables: what this rank trains (a pipeline stage's), or None for
+            the model's trainable variables.
+    """
+
+    stage = 0
+    runs_collectives = False  # XLA may compile its update with the step
+    loop_parallelism = 10  # tf.while_loop's default: micro-batches may overlap
+
+    def __init__(self, model, optimizer=None, distribution=None, variables=None):
+        self.model = model
+        self.optimizer = optimizer
+        self.distribution = distribution
+        self.variables = list(model.trainable_variables if variables is None else variables)
+        self.tensor_slice = getattr(model, "tensor_slice", WHOLE)
+        rules = split_rules(model)
+        self._split = [id(variable) in rules for variable in self.variables]
+
+    def gradient_sources(self):
+        return [variable.value for variable in self.variables]
+
+    def loss_scope(self):
+        return contextlib.nullcontext()
+
+    def reduce_micro_batch(self, gradients):
+        return gradients
+
+    def reduce_accumulated(self, gradients):
+        return self.distribution.allreduce_gradients(gradients)
+
+    def apply(self, gradients, loss_scale=None):
+        """Updates the variables; returns the global norm of the unscaled gradients."""
+        norm = self.tensor_slice.global_norm(gradients, self._split)
+        if loss_scale is not None:
+            self.optimizer.apply(gradients, self.variables)
+            return norm / tf.cast(loss_scale, norm.dtype)
+        # An optimizer that clips by the global norm (FusedAdamW) takes this
+        # one instead of computing it again: one pass over the gradients less.
+        given_norm = getattr(self.optimizer, "given_gradient_norm", None)
+        with given_norm(norm) if given_norm else contextlib.nullcontext():
+            self.optimizer.apply(gradients, self.variables)
+        return norm
+
+    def held(self, index, data_index):
+        """`(holder, rows, writes)` of trained variable `index`: the variable
+        that holds this rank's part, its rows `(start, stop, of)` (None:
+        all of them) and whether this rank, data replica `data_index` now
+        (an elastic run's changes), writes them to a checkpoint: the first
+        replica does."""
+        return self.variables[index], None, data_index == 0
+
+    def broadcast_set(self):
+        """What rank 0 of each data group sends its group at start-up."""
+        return ([v for v in self.model.variables if allocated(v)]
+                + list(self.optimizer.variables))
+
+    def after_restore(self):
+        """Nothing to rebuild after a checkpoint's values are loaded."""
+
+    def materialize(self):
+        """The whole weights are already there."""
+
+    def largest_unit(self):
+        return 0
+
+
+def idle_sharding_warning(distribution):
+    """A warning (str) when `--zero-stage` has nothing to shard over, else None."""
+    stage = distribution.state.zero_stage
+    if not stage or distribution.size > 1:
+        return None
+    return (
+        f"--zero-stage {stage} with one worker shards nothing: every state stays whole on "
+        "it, as with --zero-stage 0" + (", plus a float32 copy of the weights (4 bytes per "
+                                        "parameter more)" if stage in (1, 2) else "")
+    )
 
 
 def shard_rows(rows, size):
@@ -210,6 +324,7 @@ class ZeroSharding:
     # Micro-batches one after the other: each runs collectives of the same
     # names, which must not overlap.
     loop_parallelism = 1
+    runs_collectives = True  # its update all-gathers: XLA cannot compile it
 
     def gradient_sources(self):
         """The tf.Variables whose gradients the backward pass computes."""
@@ -318,6 +433,22 @@ class ZeroSharding:
         if self.size == 1:
             return [shard.value for shard in self.shards]
         return self._hvd.grouped_allgather([shard.value for shard in self.shards], **self._where)
+
+    def held(self, index, data_index=None):
+        """`(holder, rows, writes)` of trained variable `index` (`Unsharded.held`):
+        this rank's shard, its rows, and whether it has any."""
+        start, count = self.offsets[index][self.rank], self.counts[index][self.rank]
+        return self.shards[index], (start, start + count, self.variables[index].shape[0]), count > 0
+
+    def broadcast_set(self):
+        """What rank 0 of each data group sends its group at start-up: what is
+        not sharded (the weights were cut from rank 0's)."""
+        return ([v for v in self.model.non_trainable_variables if allocated(v)]
+                + replicated_optimizer_variables(self.optimizer))
+
+    def after_restore(self):
+        """After a checkpoint's shards are loaded, stages 1 and 2 gather the whole weights."""
+        self.load_shards([shard.value for shard in self.shards])
 
     def load_shards(self, values):
         """Assigns this rank's shard values and, in stages 1 and 2, gathers the whole weights."""

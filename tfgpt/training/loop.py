@@ -4,10 +4,10 @@
 `tfgpt.finetuning.finetuner.finetune` read their data and build their
 models their own way; both then go through these, in order:
 `existing_checkpoints` (refuse to overwrite a run), `start_up_warnings`,
-`build_model_and_optimizer`, `make_checkpointer`, `run_record` (what
-config.json records), and `run_loop`: the steps, windowed logging with
-tokens/s and MFU, the profiler, checkpoints with the divergence check,
-and the final save.
+`build_model_and_optimizer` (the rank's `RunPart`: its step, checkpointer
+and start-up broadcast), `run_record` (what config.json records), and
+`run_loop`: the steps, windowed logging with tokens/s and MFU, the
+profiler, checkpoints with the divergence check, and the final save.
 """
 
 import dataclasses
@@ -23,16 +23,15 @@ import tensorflow as tf
 from tfgpt import kernels
 from tfgpt.checkpoint import latest
 from tfgpt.checkpoint import run as checkpoint_run
-from tfgpt.checkpoint.state import replicated_optimizer_variables, run_entries
+from tfgpt.checkpoint.state import run_entries
 from tfgpt.cli import byte_size
 from tfgpt.models.gpt import GPT
 from tfgpt.observe import flops, monitor
 from tfgpt.observe.profiling import StepProfiler
 from tfgpt.optim.optimizers import make_optimizer
 from tfgpt.optim.precision import slow_precision_warning
-from tfgpt.parallel.unallocated import allocated, build_unallocated
-from tfgpt.parallel.zero import ZeroSharding, state_bytes
-from tfgpt.training.train_step import STEP_TIMES
+from tfgpt.parallel.zero import idle_sharding_warning, shard_state, state_bytes
+from tfgpt.training.train_step import STEP_TIMES, EvalStep, TrainStep
 
 POLICIES = {"off": "float32", "float16": "mixed_float16", "bfloat16": "mixed_bfloat16"}
 
@@ -203,135 +202,135 @@ def warmup_warning(config, steps):
     )
 
 
-def zero_warning(distribution):
-    """A warning (str) when --zero-stage has nothing to shard over, else None."""
-    stage = distribution.state.zero_stage
-    if not stage or distribution.size > 1:
-        return None
-    return (
-        f"--zero-stage {stage} with one worker shards nothing: every state stays whole on "
-        "it, as with --zero-stage 0" + (", plus a float32 copy of the weights (4 bytes per "
-                                        "parameter more)" if stage in (1, 2) else "")
-    )
-
-
 def start_up_warnings(report, config, steps, distribution):
     """Logs (chief only) what would make this run slow or not what was meant."""
     for warning in (slow_precision_warning(config.mixed_precision), warmup_warning(config, steps),
-                    zero_warning(distribution)):
+                    idle_sharding_warning(distribution)):
         if warning:
             report.info(f"warning: {warning}")
 
 
-def build_model_and_optimizer(config, distribution, build_model, steps):
-    """`(model, optimizer, step, zero)`: identical initial weights on every worker (seeded).
+def build_model_and_optimizer(config, distribution, build_model, steps, part=None,
+                              sequence_length=None):
+    """The run's `RunPart` (of class `part`; a pipeline's stages exchange
+    sequences of `sequence_length` tokens): identical initial weights on
+    every worker (seeded).
 
     `build_model()` runs in the distribution's scope, under the precision
     policy; the optimizer's slots exist before the first step, so that
-    rank 0's whole state can be broadcast (`run_loop`'s caller does).
-    Under Horovod with `--zero-stage` 1-3, `zero` is the
-    `tfgpt.parallel.zero.ZeroSharding` that holds this rank's shards
-    (rank 0's weights are broadcast before they are cut), the optimizer
-    is built on those shards, and `broadcast_state` sends only what every
-    rank holds alike; otherwise `zero` is None.
+    rank 0's state can be broadcast (`RunPart.broadcast`).
     """
+    part = part or RunPart
     keras.utils.set_random_seed(config.seed)
     keras.config.set_dtype_policy(POLICIES[config.mixed_precision])
     with distribution.scope():
-        if distribution.state.pipelined:  # a rank allocates its stage alone (PipelineStage)
-            model = build_unallocated(build_model)
-        else:
-            model = build_model()
+        model = part.build_model(build_model)
         optimizer = distribution.configure_optimizer(
             make_optimizer(config, distribution.size, steps=steps)
         )
         step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
-        zero = None
-        stage = distribution.state.zero_stage
-        if distribution.state.pipelined:
-            pass  # built (or sharded) on its stage's variables: tfgpt.training.pipeline_run
-        elif stage:
-            distribution.broadcast_variables(model.variables)
-            zero = ZeroSharding(stage, model, optimizer, distribution)
-        else:
-            optimizer.build(model.trainable_variables)
-    return model, optimizer, step, zero
+        return part(model, optimizer, step, distribution, sequence_length=sequence_length)
 
 
-def broadcast_state(distribution, model, optimizer, step, zero):
-    """Makes rank 0's state every rank's: all of it, or under ZeRO what is not sharded."""
-    if distribution.state.pipelined:
-        # Each rank holds its stage's weights (the ranks of its data group alike);
-        # the optimizers differ by stage.
-        distribution.broadcast_variables([v for v in model.variables if allocated(v)] + [step])
-        return
-    if zero is None:
-        distribution.broadcast_variables(model.variables + optimizer.variables + [step])
-        return
-    distribution.broadcast_variables(
-        model.non_trainable_variables + replicated_optimizer_variables(optimizer) + [step]
-    )
+class RunPart:
+    """What this rank builds, trains, broadcasts and checkpoints: the whole
+    model (of its tensor slice), under the run's sharding.
 
+    A layout whose ranks train parts of the model subclasses it
+    (`tfgpt.training.pipeline_run.PipelinePart`); the run core asks its
+    part and never which layout runs.
 
-def state_line(model, distribution, zero):
-    """The start-up line with this rank's bytes of parameters, gradients and optimizer state.
-
-    `model`: what this rank trains (a pipeline's `PipelineStage`).
+    Attributes:
+        model: keras.Model, whole (of this rank's tensor slice).
+        optimizer: built on what this rank updates.
+        step: int64 tf.Variable, the steps done.
+        distribution: the run's distribution.
+        sharding: `tfgpt.parallel.zero.ZeroSharding` at `--zero-stage` 1-3,
+            else `Unsharded`: what this rank holds of the trained state.
+        stage: None here; a pipeline rank's `PipelineStage`.
     """
 
-    stage = zero.stage if zero else 0
-    parameters = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
-    sizes = state_bytes(parameters, stage, distribution.size,
-                        gathered=zero.largest_unit() if zero and stage == 3 else 0)
+    stage = None
+
+    @staticmethod
+    def check(config, options, model_config):
+        """Raises ValueError for sizes this layout cannot cut (the whole model: none)."""
+
+    @staticmethod
+    def build_model(build_model):
+        return build_model()
+
+    def __init__(self, model, optimizer, step, distribution, sequence_length=None):
+        self.model, self.optimizer, self.step = model, optimizer, step
+        self.distribution = distribution
+        self.sharding = shard_state(model, optimizer, distribution,
+                                    self.trained.trainable_variables)
+
+    @property
+    def trained(self):
+        """What this rank trains: the model (a pipeline's: its stage)."""
+        return self.model
+
+    def train_step(self, **options):
+        """The step (`TrainStep` with `options`)."""
+        return TrainStep(self.model, self.optimizer, self.distribution, zero=self.sharding,
+                         **options)
+
+    def eval_step(self, loss_fn, xla=False):
+        """`(loss, metrics)` of a batch without training."""
+        return EvalStep(self.model, loss_fn=loss_fn, xla=xla, zero=self.sharding)
+
+    def describe(self):
+        """The start-up lines of what this rank holds."""
+        return [state_line(self.trained, self.distribution, self.sharding)]
+
+    def broadcast(self):
+        """Makes rank 0's state its data group's: what every rank of it holds alike."""
+        self.distribution.broadcast_variables(self.sharding.broadcast_set() + [self.step])
+
+    def checkpointer(self, config, data_cursor=None):
+        """The run's `tfgpt.checkpoint.RunCheckpointer` in `config.out`.
+
+        Every rank writes its part of the model, the optimizer (its moments
+        sliced and sharded as its variables are), the step and its dropout
+        state; `data_cursor` (an elastic run's position in the global record
+        order, `tfgpt.resilience.elastic`) is saved beside them when given.
+        """
+        counters = [("step", self.step)] + ([("data_cursor", data_cursor)]
+                                            if data_cursor is not None else [])
+
+        def entries():  # asked at every save: an elastic run's ranks change
+            coordinates, _ = checkpoint_run.layout_of(self.distribution)
+            return run_entries(self.model, self.optimizer, coordinates, self.sharding,
+                               tensor_slice=self.distribution.tensor_slice, stage=self.stage,
+                               counters=counters)
+
+        return checkpoint_run.RunCheckpointer(config.out, self.distribution, entries,
+                                              keep=config.keep_checkpoints,
+                                              after_restore=self.sharding.after_restore)
+
+
+def state_line(trained, distribution, sharding):
+    """The start-up line with this rank's bytes of parameters, gradients and
+    optimizer state of `trained` (a model, or a pipeline's stage)."""
+    parameters = sum(int(np.prod(v.shape)) for v in trained.trainable_variables)
+    sizes = state_bytes(parameters, sharding.stage, distribution.size,
+                        gathered=sharding.largest_unit())
     gib = byte_size
-    ranks = f"{distribution.size} rank(s)"
-    state = distribution.state
-    if state.split:  # the layout's sizes, data x pipeline x tensor
-        staged, split = state.pipelined, state.tensor > 1
-        ranks = (f"{distribution.size} data replica(s)"
-                 + (f" x pipeline {state.pipeline}" if staged else "")
-                 + (f" x tensor {state.tensor}" if split else "")
-                 + ", this rank's " + ("stage's slice" if staged and split
-                                       else "stage" if staged else "slice"))
     line = (
-        f"state per rank (ZeRO stage {stage}, {ranks}): parameters "
+        f"state per rank (ZeRO stage {sharding.stage}, "
+        f"{distribution.state.ranks_phrase(distribution.size)}): parameters "
         f"{gib(sizes['parameters'])}, gradients {gib(sizes['gradients'])}, optimizer "
         f"{gib(sizes['optimizer'])}, total {gib(sizes['state'])}"
     )
-    if stage == 3:
+    if sizes["gathered"]:
         line += f", plus {gib(sizes['gathered'])} gathered while the largest unit runs"
-    if stage:
-        line += f" (stage 0: {gib(state_bytes(parameters, 0, 1)['state'])})"
+    whole = state_bytes(parameters, 0, 1)["state"]
+    if sizes["state"] != whole:
+        line += f" (stage 0: {gib(whole)})"
     if distribution.size > 1 and hasattr(distribution, "averaging"):
         line += f"; gradients averaged by {distribution.averaging}"
     return line
-
-
-def make_checkpointer(config, distribution, model, optimizer, step, zero=None, stage=None,
-                      data_cursor=None):
-    """The run's `tfgpt.checkpoint.RunCheckpointer` in `config.out`, for any layout.
-
-    Every rank writes its part of the model, the optimizer (its moments
-    sliced and sharded as its variables are), the step and its dropout
-    state; `data_cursor` (an elastic run's position in the global record
-    order, `tfgpt.resilience.elastic`) is saved beside them when given.
-    `zero`: the run's `ZeroSharding`; `stage`: a pipeline rank's
-    `PipelineStage` (then `model` is the whole model it cuts).
-    """
-    counters = [("step", step)] + ([("data_cursor", data_cursor)] if data_cursor is not None
-                                   else [])
-
-    def entries():
-        coordinates, _ = checkpoint_run.layout_of(distribution)
-        return run_entries(model, optimizer, coordinates, tensor_slice=distribution.tensor_slice,
-                           zero=zero, stage=stage, counters=counters)
-
-    def gather_shards():  # ZeRO 1 and 2 gather the whole weights from the restored shards
-        zero.load_shards([shard.value for shard in zero.shards])
-
-    return checkpoint_run.RunCheckpointer(config.out, distribution, entries,
-                                          keep=config.keep_checkpoints,
-                                          after_restore=gather_shards if zero else None)
 
 
 def run_record(config, distribution):
@@ -364,7 +363,7 @@ def run_loop(config, distribution, report, *, model, optimizer, step, train_step
         model, optimizer, step: from `build_model_and_optimizer`.
         train_step: `tfgpt.training.train_step.TrainStep`.
         batches: iterator of this worker's batches.
-        checkpointer: from `make_checkpointer`.
+        checkpointer: from `RunPart.checkpointer`.
         steps: int. The step to end at.
         global_batch: int. Sequences per step over all workers.
         sequence_length: int. Tokens per sequence, for tokens/s and MFU.

@@ -15,7 +15,9 @@ from tfgpt.parallel.pipeline_executor import PipelineTrainStep
 from tfgpt.parallel.pipeline_partition import check_partition
 from tfgpt.parallel.pipeline_schedule import PipelineSchedule
 from tfgpt.parallel.pipeline_stage import PipelineStage
-from tfgpt.parallel.zero import ZeroSharding, state_bytes
+from tfgpt.parallel.unallocated import build_unallocated
+from tfgpt.parallel.zero import state_bytes
+from tfgpt.training.loop import RunPart
 
 
 def check_pipeline_sizes(config, options, model_config):
@@ -32,26 +34,45 @@ def check_pipeline_sizes(config, options, model_config):
     check_partition(model_config.num_layers, options.pipeline_parallel * options.virtual_stages)
 
 
-def build_pipeline(model, optimizer, distribution, sequence_length):
-    """`(stage, train_step)` of this rank; builds `optimizer` on the stage's variables.
+class PipelinePart(RunPart):
+    """A pipeline rank's part of the run (`tfgpt.training.loop.RunPart`):
+    its stage, built from a whole model that holds no memory until the
+    stage allocates its own variables, the optimizer on them (under
+    `--zero-stage 1` on this rank's shards of them, cut over the stage's
+    data replicas) and the pipelined step, which also validates."""
 
-    With `--zero-stage 1` the optimizer is built on this rank's shards of
-    them, cut over the stage's data replicas (`train_step.zero`).
-    """
+    @staticmethod
+    def check(config, options, model_config):
+        check_pipeline_sizes(config, options, model_config)
 
-    options = distribution.options
-    schedule = PipelineSchedule(options.pipeline_schedule, options.pipeline_parallel,
-                                options.microbatches, options.virtual_stages)
-    stage = PipelineStage(model, schedule, distribution.state.stage,
-                          partition=options.pipeline_partition, sequence_length=sequence_length)
-    zero = None
-    if distribution.state.zero_stage:
-        zero = ZeroSharding(distribution.state.zero_stage, model, optimizer, distribution,
-                            variables=stage.trainable_variables)
-    else:
-        optimizer.build(stage.trainable_variables)
-    return stage, PipelineTrainStep(stage, optimizer, distribution.pipeline_process_set,
-                                    distribution.data_process_set, zero=zero)
+    @staticmethod
+    def build_model(build_model):
+        return build_unallocated(build_model)
+
+    def __init__(self, model, optimizer, step, distribution, sequence_length=None):
+        options = distribution.options
+        schedule = PipelineSchedule(options.pipeline_schedule, options.pipeline_parallel,
+                                    options.microbatches, options.virtual_stages)
+        self.stage = PipelineStage(model, schedule, distribution.state.stage,
+                                   partition=options.pipeline_partition,
+                                   sequence_length=sequence_length)
+        super().__init__(model, optimizer, step, distribution)
+        self.pipeline_step = PipelineTrainStep(
+            self.stage, optimizer, distribution.pipeline_process_set,
+            distribution.data_process_set, zero=self.sharding)
+
+    @property
+    def trained(self):
+        return self.stage
+
+    def train_step(self, **options):
+        return self.pipeline_step
+
+    def eval_step(self, loss_fn, xla=False):
+        return self.pipeline_step.evaluate
+
+    def describe(self):
+        return [describe(self.stage, self.distribution.state), *super().describe()]
 
 
 def describe(stage, state=None):

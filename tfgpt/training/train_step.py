@@ -1,6 +1,5 @@
 """The compiled training and evaluation steps shared by every front end."""
 
-import contextlib
 import time
 
 import keras
@@ -10,7 +9,8 @@ from tfgpt.config.checks import require_positive_int
 from tfgpt.graph_function import graph_function
 from tfgpt.parallel.local import LocalDistribution
 from tfgpt.parallel.strategy import StrategyDistribution
-from tfgpt.parallel.tensor_parallel import WHOLE, split_rules
+from tfgpt.parallel.tensor_parallel import WHOLE
+from tfgpt.parallel.zero import Unsharded
 
 
 def cross_entropy(targets, logits, weights=None, tensor_slice=WHOLE):
@@ -40,14 +40,13 @@ def _dense(gradient):
     return tf.convert_to_tensor(gradient) if isinstance(gradient, tf.IndexedSlices) else gradient
 
 
-def _compiled_parts(distribution, xla, zero):
+def _compiled_parts(distribution, xla, sharding):
     """What XLA compiles for `distribution` (see TrainStep)."""
 
     if not xla:
         return ()
-    if zero is not None:  # (stage 3 is refused: tfgpt.parallel.refusals)
-        return ("compute",)
-    if isinstance(distribution, StrategyDistribution):
+    # ZeRO's update runs collectives (its stage 3 with --xla: tfgpt.parallel.refusals).
+    if sharding.runs_collectives or isinstance(distribution, StrategyDistribution):
         return ("compute",)
     if type(distribution) is LocalDistribution:
         return ("step",)
@@ -69,33 +68,6 @@ def _loss_scale(optimizer):
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         return optimizer.dynamic_scale
     return None
-
-
-class _WholeState:
-    """ZeRO stage 0 for the steps: every rank holds the whole state, whole
-    gradients are averaged through the distribution and update it on every
-    rank. The part of `tfgpt.parallel.zero.ZeroSharding`'s interface that
-    `TrainStep` and `EvalStep` use, so that each has one path."""
-
-    loop_parallelism = 10  # tf.while_loop's default: micro-batches may overlap
-
-    def __init__(self, step=None):
-        self._step = step
-
-    def gradient_sources(self):
-        return [variable.value for variable in self._step.variables]
-
-    def loss_scope(self):
-        return contextlib.nullcontext()
-
-    def reduce_micro_batch(self, gradients):
-        return gradients
-
-    def reduce_accumulated(self, gradients):
-        return self._step.distribution.allreduce_gradients(gradients)
-
-    def apply(self, gradients, loss_scale=None):
-        return self._step._update(gradients)
 
 
 class TrainStep:
@@ -185,13 +157,9 @@ class TrainStep:
         self.accumulation_steps = accumulation_steps
         self.towers = towers
         self.variables = model.trainable_variables
-        self.sharding = zero or _WholeState(self)
+        self.sharding = zero or Unsharded(model, optimizer, distribution)
         self.compute_delay = compute_delay
-        # Tensor parallelism: which gradients are slices, for the global norm.
-        self.tensor_slice = getattr(model, "tensor_slice", WHOLE)
-        rules = split_rules(model)
-        self._split = [id(variable) in rules for variable in self.variables]
-        self.compiled = _compiled_parts(distribution, xla, zero)
+        self.compiled = _compiled_parts(distribution, xla, self.sharding)
         self._forward_backward = self._forward_backward_fn
         self._update = self._update_fn
         if "compute" in self.compiled:
@@ -273,18 +241,7 @@ class TrainStep:
         )
 
     def _update_fn(self, gradients):
-        loss_scale = _loss_scale(self.optimizer)
-        gradient_norm = self.tensor_slice.global_norm(gradients, self._split)
-        if loss_scale is not None:
-            gradient_norm = gradient_norm / tf.cast(loss_scale, gradient_norm.dtype)
-            self.optimizer.apply(gradients, self.variables)
-            return gradient_norm
-        # An optimizer that clips by the global norm (FusedAdamW) takes this
-        # one instead of computing it again: one pass over the gradients less.
-        given_norm = getattr(self.optimizer, "given_gradient_norm", None)
-        with given_norm(gradient_norm) if given_norm else contextlib.nullcontext():
-            self.optimizer.apply(gradients, self.variables)
-        return gradient_norm
+        return self.sharding.apply(gradients, _loss_scale(self.optimizer))
 
     def _replica_step(self, batch):
         timed = self.compiled != ("step",)  # XLA has no timestamp op
@@ -305,7 +262,7 @@ class TrainStep:
         # Averaged whole, or (ZeRO) reduced to this rank's shards, then applied.
         gradients = self.sharding.reduce_accumulated(gradients)
         reduced = _timestamp_after(gradients) if timed else None
-        gradient_norm = self.sharding.apply(gradients, _loss_scale(self.optimizer))
+        gradient_norm = self._update(gradients)
         result = {"loss": loss, "gradient_norm": gradient_norm, **metrics}
         if timed:
             result[STEP_TIMES] = tf.stack([computed - start, reduced - computed])
@@ -325,8 +282,9 @@ class EvalStep:
     def __init__(self, model, loss_fn=causal_lm_loss, xla=False, zero=None):
         self.model = model
         self.loss_fn = loss_fn
-        self.sharding = zero or _WholeState()
-        self._step = graph_function(self._step_fn, jit_compile=xla and zero is None)
+        self.sharding = zero or Unsharded(model)
+        self._step = graph_function(self._step_fn,
+                                    jit_compile=xla and not self.sharding.runs_collectives)
 
     def _step_fn(self, batch):
         with self.sharding.loss_scope():

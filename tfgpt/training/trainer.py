@@ -23,7 +23,6 @@ from tfgpt.parallel import refusals, tensor_parallel
 from tfgpt.resilience import elastic as elastic_training
 from tfgpt.training import loop, objectives, pipeline_run
 from tfgpt.training.loop import TrainingDiverged
-from tfgpt.training.train_step import EvalStep, TrainStep
 
 __all__ = ["TrainingDiverged", "evaluate", "resolve_model_config", "train"]
 
@@ -127,15 +126,15 @@ def evaluate(task, eval_step, batches, distribution, max_batches, vocabulary_siz
 
 
 def _check_batch_sizes(train_config, manifest, distribution):
-    _, pipelines = distribution.data_shard()
-    records = reader.records_per_worker(manifest, "train", pipelines)
-    replicas_per_worker = distribution.size // pipelines
+    _, readers = distribution.data_shard()
+    records = reader.records_per_worker(manifest, "train", readers)
+    replicas_per_worker = distribution.size // readers
     needed = train_config.batch_size * train_config.accumulation_steps * replicas_per_worker
     if min(records) < needed:
         raise ValueError(
             f"--batch-size {train_config.batch_size} x --accumulation-steps "
             f"{train_config.accumulation_steps} needs {needed} training sequences per "
-            f"worker, but {train_config.data} gives some of the {pipelines} "
+            f"worker, but {train_config.data} gives some of the {readers} "
             f"worker(s) only {min(records)}"
         )
 
@@ -177,9 +176,9 @@ def train(train_config, model_overrides, distribution, callbacks=()):
     refusals.check(refusals.Run.of(distribution.state, elastic=elastic, family=family,
                                    config=train_config))
     tensor_parallel.check_sizes(distribution.state.tensor, model_config)
-    pipelined = distribution.state.pipelined
-    if pipelined:
-        pipeline_run.check_pipeline_sizes(train_config, distribution.options, model_config)
+    # The layout's part of the run: the whole model, or a pipeline's stage.
+    layout = pipeline_run.PipelinePart if distribution.state.pipelined else loop.RunPart
+    layout.check(train_config, distribution.options, model_config)
     if not elastic:  # the global order is endless: any batch size fits
         _check_batch_sizes(train_config, manifest, distribution)
     report = Reporter(out, distribution.is_chief)
@@ -200,42 +199,30 @@ def train(train_config, model_overrides, distribution, callbacks=()):
     loop.start_up_warnings(report, train_config, train_config.steps, distribution)
 
     # Model and optimizer: identical initial weights everywhere (seeded, then broadcast).
-    model, optimizer, step, zero = loop.build_model_and_optimizer(
+    part = loop.build_model_and_optimizer(
         train_config, distribution, lambda: objectives.build_model(family, model_config),
-        train_config.steps,
+        train_config.steps, part=layout, sequence_length=sequence_length,
     )
+    model, optimizer, step = part.model, part.optimizer, part.step
     parameters = f"{model.count_params():,} parameters"
     if distribution.state.tensor > 1:
         parameters = (f"{tensor_parallel.whole_parameters(model):,} parameters "
                       f"({model.count_params():,} per tensor slice)")
     report.info(f"model: {parameters} {model_config}")
-    if not pipelined:  # a pipeline's line follows, once its stage is built
-        report.info(loop.state_line(model, distribution, zero))
+    for line in part.describe():
+        report.info(line)
     # Recomputation is a training-time choice, not architecture (not in config.json's model).
     if train_config.recompute and not set_recompute(model, True):
         raise ValueError(
             f"--recompute recomputes transformer blocks; --preset {train_config.preset} has none"
         )
-    if pipelined:
-        # Horovod: each rank trains its stage; micro-batches flow through the pipeline.
-        stage, pipeline_step = pipeline_run.build_pipeline(model, optimizer, distribution,
-                                                           sequence_length)
-        report.info(pipeline_run.describe(stage, distribution.state))
-        if pipeline_step.zero is not None:
-            report.info(loop.state_line(stage, distribution, pipeline_step.zero))
 
     def build_train_step():
-        if pipelined:
-            return pipeline_step
-        return TrainStep(
-            model,
-            optimizer,
-            distribution,
+        return part.train_step(
             loss_fn=task.loss,
             xla=train_config.xla,
             accumulation_steps=train_config.accumulation_steps,
             towers=towers,
-            zero=zero,
             compute_delay=loop.compute_delay(callbacks),
         )
 
@@ -271,12 +258,11 @@ def train(train_config, model_overrides, distribution, callbacks=()):
     }
     if elastic:
         metrics = _train_elastic(
-            train_config, distribution, report, model=model, optimizer=optimizer, step=step,
-            joining=joining, build_train_step=build_train_step, train_batches=train_batches,
-            run_files=run_files, tokenizer_path=tokenizer_path, sequence_length=sequence_length,
-            callbacks=callbacks,
+            train_config, distribution, report, part=part, joining=joining,
+            build_train_step=build_train_step, train_batches=train_batches, run_files=run_files,
+            tokenizer_path=tokenizer_path, sequence_length=sequence_length, callbacks=callbacks,
         )
-        return _validate(task, train_config, distribution, report, model, zero, model_config,
+        return _validate(task, train_config, distribution, report, part, model_config,
                          metrics, int(step.numpy()))
 
     train_step = build_train_step()
@@ -295,16 +281,13 @@ def train(train_config, model_overrides, distribution, callbacks=()):
     # Checkpoints: every rank saves its part of the state, and the first
     # rank of each input pipeline its position (the ranks of a tensor group
     # and the stages of a pipeline share one).
-    checkpointer = loop.make_checkpointer(
-        train_config, distribution, model, optimizer, step,
-        zero=pipeline_step.zero if pipelined else zero, stage=stage if pipelined else None,
-        data_cursor=data_cursor)
-    data_index, pipelines = distribution.data_shard()
+    checkpointer = part.checkpointer(train_config, data_cursor=data_cursor)
+    data_index, readers = distribution.data_shard()
     if train_config.resume and checkpointer.latest:
         if global_order:
             elastic_training.check_resumable(checkpointer.latest, "--global-order")
         path = checkpointer.restore_latest()
-        replicas_per_worker = distribution.size // pipelines
+        replicas_per_worker = distribution.size // readers
         if global_order:
             cursor = int(data_cursor.numpy())
             iterator = train_batches(train_config.seed, cursor=cursor)
@@ -312,22 +295,22 @@ def train(train_config, model_overrides, distribution, callbacks=()):
         elif not iterator_checkpointable:
             iterator = train_batches(train_config.seed, skip=int(step.numpy()) * replicas_per_worker)
             position = "the next unseen batch (replayed)"
-        elif checkpointer.restore_input(path, iterator, data_index, pipelines):
+        elif checkpointer.restore_input(path, iterator, data_index, readers):
             position = "the next unseen batch"
         else:
             # Another worker count than the saved run: no position to take over.
             iterator = train_batches(train_config.seed + int(step.numpy()))
             position = (
-                f"data reshuffled (no position saved for {pipelines} worker(s))"
+                f"data reshuffled (no position saved for {readers} worker(s))"
             )
         report.info(f"resumed from {path} at step {int(step.numpy())}, {position}")
     if iterator_checkpointable:
-        checkpointer.track_input(iterator, data_index, pipelines)
+        checkpointer.track_input(iterator, data_index, readers)
     checkpointer.write_run_files(run_files, tokenizer_path=tokenizer_path)
     # Keras 3 creates the optimizer's slots in build(), so rank 0's full
     # state can be broadcast before the first step (Horovod's TF1-era
     # examples had to wait until after it for the slots to exist).
-    loop.broadcast_state(distribution, model, optimizer, step, zero)
+    part.broadcast()
 
     # Loop, and the last save.
     metrics = loop.run_loop(
@@ -353,20 +336,18 @@ def train(train_config, model_overrides, distribution, callbacks=()):
     checkpointer.track_input(None)
     loop.release_in_background(iterator)
     del iterator
-    # A pipeline validates through its stages, each rank holding its own.
-    return _validate(task, train_config, distribution, report, model, zero, model_config,
-                     metrics, int(step.numpy()),
-                     eval_step=pipeline_step.evaluate if pipelined else None)
+    return _validate(task, train_config, distribution, report, part, model_config,
+                     metrics, int(step.numpy()))
 
 
-def _validate(task, train_config, distribution, report, model, zero, model_config, metrics,
-              at_step, eval_step=None):
+def _validate(task, train_config, distribution, report, part, model_config, metrics, at_step):
     """Validation after training: logs it and returns `(model, metrics)` with its results.
 
-    `eval_step`: `(loss, metrics)` of a batch; by default the whole model's `EvalStep`.
+    `part`: the run's `tfgpt.training.loop.RunPart` (a pipeline validates
+    through its stages, each rank holding its own).
     """
     # A tensor group and a pipeline read one part, in one order (checked at the first batch).
-    data_index, pipelines = distribution.data_shard()
+    data_index, readers = distribution.data_shard()
     validation = task.dataset(
         train_config.data,
         "val",
@@ -374,13 +355,13 @@ def _validate(task, train_config, distribution, report, model, zero, model_confi
         shuffle=False,
         repeat=False,
         seed=train_config.seed,
-        num_shards=pipelines,
+        num_shards=readers,
         shard_index=data_index,
         deterministic=True,
     )
     results = evaluate(
         task,
-        eval_step or EvalStep(model, loss_fn=task.loss, xla=train_config.xla, zero=zero),
+        part.eval_step(task.loss, xla=train_config.xla),
         distribution.one_batch_per_group(
             batches_naming_bad_shards(validation, train_config.data, "val")),
         distribution,
@@ -399,12 +380,11 @@ def _validate(task, train_config, distribution, report, model, zero, model_confi
             line += f"; {name.replace('_', ' ')} {results[name]:.3f}"
     report.info(line)
     report.close()
-    return model, metrics
+    return part.model, metrics
 
 
-def _train_elastic(train_config, distribution, report, *, model, optimizer, step, joining,
-                   build_train_step, train_batches, run_files, tokenizer_path, sequence_length,
-                   callbacks):
+def _train_elastic(train_config, distribution, report, *, part, joining, build_train_step,
+                   train_batches, run_files, tokenizer_path, sequence_length, callbacks):
     """Checkpoints and loop of an elastic run (`tfgpt.resilience.elastic`); returns the
     last metrics.
 
@@ -418,8 +398,8 @@ def _train_elastic(train_config, distribution, report, *, model, optimizer, step
     data_cursor = tf.Variable(0, dtype=tf.int64, trainable=False, name="data_cursor")
 
     # One checkpointer for every formation: it asks who the chief is at each save.
-    checkpointer = loop.make_checkpointer(train_config, distribution, model, optimizer, step,
-                                          data_cursor=data_cursor)
+    checkpointer = part.checkpointer(train_config, data_cursor=data_cursor)
+    step = part.step
     if train_config.resume and checkpointer.latest and not joining:
         elastic_training.check_resumable(checkpointer.latest, "--elastic")
         checkpointer.restore_latest()
@@ -429,8 +409,8 @@ def _train_elastic(train_config, distribution, report, *, model, optimizer, step
         run_files = dict(run_files, **{elastic_training.JOB_KEY: elastic_training.job()})
         checkpointer.write_run_files(run_files, tokenizer_path=tokenizer_path)
     return elastic_training.run_formations(
-        train_config, distribution.options, distribution, report, model=model,
-        optimizer=optimizer, step=step, data_cursor=data_cursor,
+        train_config, distribution.options, distribution, report, model=part.model,
+        optimizer=part.optimizer, step=step, data_cursor=data_cursor,
         build_train_step=build_train_step,
         build_batches=lambda cursor: batches_naming_bad_shards(
             train_batches(train_config.seed, cursor=cursor), train_config.data, "train"),
