@@ -261,7 +261,7 @@ def test_missing_head_raises_and_names_the_tensor(tmp_path):
     [
         ("inner_group_num", 2, r"inner_group_num=2"),
         ("hidden_act", "silu", r"hidden_act='silu'"),
-        ("model_type", "roberta", r"model_type='roberta'"),
+        ("model_type", "deberta", r"model_type='deberta'"),
         ("num_hidden_groups", 3, r"num_layers=4, num_groups=3"),
     ],
 )
