@@ -328,3 +328,11 @@ def test_export_of_what_transformers_lacks_raises(tmp_path):
         save_hf_encoder(Roberta(**tiny_fields(activation="relu")), tmp_path)
     with pytest.raises(ValueError, match=r"post-layer-norm.*norm_first=True"):
         save_hf_encoder(Roberta(**tiny_fields(norm_first=True)), tmp_path)
+
+
+def test_fine_tuning_refuses_roberta_for_now(tmp_path):
+    from tfgpt.finetuning.task_models import describe_init
+
+    save_random(transformers.RobertaForMaskedLM, roberta_config(), tmp_path)
+    with pytest.raises(ValueError, match=r"holds a 'roberta' model; fine-tuning needs a BERT"):
+        describe_init(str(tmp_path))

@@ -587,6 +587,10 @@ FAMILIES = {
     )
 }
 ENCODER_FAMILIES = ("bert", "albert", "roberta")
+# The encoders the fine-tuning front ends take. Not RoBERTa yet: its byte-level
+# BPE tokenizer has no offsets for SQuAD, and a question-context pair has one
+# segment.
+FINETUNING_FAMILIES = ("bert", "albert")
 
 
 def family_of_preset(preset):
