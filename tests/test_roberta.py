@@ -336,3 +336,29 @@ def test_fine_tuning_refuses_roberta_for_now(tmp_path):
     save_random(transformers.RobertaForMaskedLM, roberta_config(), tmp_path)
     with pytest.raises(ValueError, match=r"holds a 'roberta' model; fine-tuning needs a BERT"):
         describe_init(str(tmp_path))
+
+
+# ---- Tokenizer ----------------------------------------------------------
+
+
+def test_byte_pair_tokenizer_reads_a_roberta_vocabulary(tmp_path):
+    """RoBERTa's tokenizer is GPT-2's byte-level BPE with <s> <pad> </s> <unk>
+    first and <mask> last: tfgpt's BytePairTokenizer gives transformers'
+    RobertaTokenizer's ids for text; the <s> ... </s> around them are the caller's."""
+    from tfgpt.tokenizers.byte_pair_tokenizer import BytePairTokenizer, bytes_to_unicode
+
+    merges = ["Ġ t", "h e", "Ġt he", "Ġ c", "a t", "Ġc at", "o w", "Ġ l", "Ġl ow", "e r"]
+    vocabulary = {token: index for index, token in enumerate(["<s>", "<pad>", "</s>", "<unk>"])}
+    for token in [*bytes_to_unicode().values(), *(merge.replace(" ", "") for merge in merges)]:
+        vocabulary.setdefault(token, len(vocabulary))
+    vocabulary["<mask>"] = len(vocabulary)
+    (tmp_path / "vocab.json").write_text(json.dumps(vocabulary))
+    (tmp_path / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
+    reference = transformers.RobertaTokenizer(
+        str(tmp_path / "vocab.json"), str(tmp_path / "merges.txt")
+    )
+    assert (reference.bos_token_id, reference.pad_token_id, reference.eos_token_id) == (0, PAD, 2)
+    text = "the cat lower, Éte  the\tcat 12 ok"
+    ids = BytePairTokenizer.from_directory(tmp_path).encode(text)
+    assert ids == reference.encode(text, add_special_tokens=False)
+    assert [0, *ids, 2] == reference.encode(text)
