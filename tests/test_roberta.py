@@ -303,7 +303,7 @@ def test_config_that_does_not_match_the_tensors_raises(tmp_path):
         ("model_type", "xlm-roberta", r"RoBERTa checkpoint\. Received: model_type='xlm-roberta'"),
         ("hidden_act", "relu", r"needs hidden_act='gelu'\. Received: hidden_act='relu'"),
         ("pad_token_id", None, r"pad_id=None"),
-        ("max_position_embeddings", 2, r"max_sequence_length=0"),
+        ("max_position_embeddings", 2, r"max_position_embeddings=2, pad_token_id=1"),
     ],
 )
 def test_unsupported_checkpoint_raises(tmp_path, field, value, message):

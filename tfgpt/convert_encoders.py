@@ -276,12 +276,17 @@ def hf_encoder_config(hf_config, source="config.json"):
         fields[field] = hf_config.get(key) if default is None else hf_config.get(key, default)
     try:
         config = FAMILIES[model_type].config_class(**fields)
-        # RoBERTa's table has rows before the first real token's (`first_position`).
-        return dataclasses.replace(
-            config, max_sequence_length=config.max_sequence_length - config.first_position
-        )
     except ValueError as error:
         raise ValueError(f"{source}: {error}") from None
+    # RoBERTa's table has rows before the first real token's (`first_position`).
+    positions = fields["max_sequence_length"]
+    if positions <= config.first_position:
+        raise ValueError(
+            f"{source}: `max_position_embeddings` must exceed pad_token_id + 1, the rows "
+            f"before the first token's. Received: max_position_embeddings={positions}, "
+            f"pad_token_id={hf_config.get('pad_token_id')!r}"
+        )
+    return dataclasses.replace(config, max_sequence_length=positions - config.first_position)
 
 
 # ---- Building and loading ---------------------------------------------------
