@@ -112,11 +112,11 @@ def run_model_contract(
 def run_encoder_contract(
     cls, config, inputs, mask_positions, tmp_path, backbone_count, heads_count, **options
 ):
-    """`run_model_contract` for a BERT or ALBERT backbone or pretraining model.
+    """`run_model_contract` for a BERT, ALBERT or RoBERTa backbone or pretraining model.
 
     A pretraining model is called with `mask_positions` (B, P) added to
     `inputs`, counts `backbone_count + heads_count` parameters and keeps its
-    masked-LM and sentence-pair logits float32; a backbone counts
+    masked-LM and any sentence-pair logits float32; a backbone counts
     `backbone_count`. The output shapes follow from `config` and the inputs.
     `options` are `run_model_contract`'s.
     """
@@ -129,9 +129,11 @@ def run_encoder_contract(
     if issubclass(cls, EncoderPretrainingModel):
         inputs = {**inputs, "mask_positions": mask_positions}
         backbone_count += heads_count
-        logits = ("mlm_logits", f"{cls.pair_task}_logits")
-        shapes[logits[0]] = (batch, mask_positions.shape[1], config.vocabulary_size)
-        shapes[logits[1]] = (batch, 2)
+        logits = ("mlm_logits",)
+        shapes["mlm_logits"] = (batch, mask_positions.shape[1], config.vocabulary_size)
+        if cls.pair_task is not None:
+            logits += (f"{cls.pair_task}_logits",)
+            shapes[f"{cls.pair_task}_logits"] = (batch, 2)
     return run_model_contract(
         cls,
         config,

@@ -184,10 +184,12 @@ def bert_parameter_count(config):
     Embeddings V*H + P*H + S*H and their layer norm 2H; per layer the four
     H x H attention projections with biases 4(H^2 + H), two layer norms 4H,
     the feed-forward H*I + I + I*H + H; the pooler H^2 + H; and with
-    pre-LN blocks the final layer norm 2H.
+    pre-LN blocks the final layer norm 2H. P is the position table's rows:
+    `max_sequence_length`, plus `pad_id + 1` for RoBERTa (`first_position`).
     """
     V, H, I = config.vocabulary_size, config.hidden_dim, config.intermediate_dim
-    P, S, L = config.max_sequence_length, config.num_segments, config.num_layers
+    P = config.max_sequence_length + config.first_position
+    S, L = config.num_segments, config.num_layers
     embeddings = (V + P + S) * H + 2 * H
     layer = 4 * (H * H + H) + 4 * H + (H * I + I) + (I * H + H)
     final_norm = 2 * H if config.norm_first else 0

@@ -1,7 +1,9 @@
 """Converted transformers BERT/ALBERT checkpoints reproduce the reference outputs.
 
 Oracle: a randomly initialised transformers model (PyTorch, CPU), saved to
-tmp_path with `save_pretrained`, loaded by tfgpt.convert_encoders. The
+tmp_path with `save_pretrained`, loaded by tfgpt.convert_encoders; and a
+tfgpt model written by `save_hf_encoder`, loaded by `from_pretrained`.
+RoBERTa's are in tests/test_roberta.py. The
 tolerance is on the maximum absolute difference over every element, in
 float32: 1e-4 for hidden states, pooled outputs and logits (measured: below
 2e-6 at these sizes).
@@ -18,9 +20,15 @@ import torch
 import transformers
 
 from tests import model_contract as contract
-from tfgpt import Bert, SequenceClassifier, SpanQuestionAnswerer
+from tests import numpy_encoder as ref
+from tfgpt import Bert, BertBackbone, SequenceClassifier, SpanQuestionAnswerer
 from tfgpt.config import FAMILIES
-from tfgpt.convert_encoders import load_hf_encoder, load_hf_weights, read_safetensors
+from tfgpt.convert_encoders import (
+    load_hf_encoder,
+    load_hf_weights,
+    read_safetensors,
+    save_hf_encoder,
+)
 
 ATOL = 1e-4
 # The tiny sizes of tests/model_contract.py, so that `contract.tiny_fields()`
@@ -183,6 +191,34 @@ def test_fine_tuned_checkpoints_match_transformers(tmp_path, family, hf_prefix, 
     assert max_abs(spans["end_logits"], expected_spans.end_logits) < ATOL
 
 
+@FAMILY_PARAMETERS
+def test_pretraining_model_exported_to_transformers_reproduces_it(tmp_path, family, hf_prefix,
+                                                                  make_config):
+    fields = contract.tiny_fields(**({"embedding_dim": 8} if family == "albert" else {}))
+    model = FAMILIES[family].pretraining_class()(**fields)
+    ref.randomize(model, seed=5)
+    save_hf_encoder(model, tmp_path)
+    exported = getattr(transformers, f"{hf_prefix}ForPreTraining").from_pretrained(tmp_path)
+    inputs, hf_inputs = example_inputs()
+    with torch.no_grad():
+        expected = exported.eval()(**hf_inputs)
+    outputs = model(inputs)
+    assert max_abs(outputs["mlm_logits"], expected.prediction_logits) < ATOL
+    pair_logits = expected.seq_relationship_logits if family == "bert" else expected.sop_logits
+    assert max_abs(outputs[f"{model.pair_task}_logits"], pair_logits) < ATOL
+
+
+def test_classifier_exported_to_transformers_reproduces_it(tmp_path):
+    model = SequenceClassifier(BertBackbone(**contract.tiny_fields()), num_classes=3)
+    ref.randomize(model, seed=6)
+    save_hf_encoder(model, tmp_path)
+    exported = transformers.BertForSequenceClassification.from_pretrained(tmp_path).eval()
+    inputs, hf_inputs = example_inputs()
+    with torch.no_grad():
+        expected = exported(**hf_inputs).logits
+    assert max_abs(model(inputs), expected) < ATOL
+
+
 def test_load_hf_weights_into_an_existing_model(tmp_path):
     save_random(transformers.BertForPreTraining, bert_config(), tmp_path)
     loaded = load_hf_encoder(tmp_path)
@@ -261,7 +297,7 @@ def test_missing_head_raises_and_names_the_tensor(tmp_path):
     [
         ("inner_group_num", 2, r"inner_group_num=2"),
         ("hidden_act", "silu", r"hidden_act='silu'"),
-        ("model_type", "roberta", r"model_type='roberta'"),
+        ("model_type", "deberta", r"model_type='deberta'"),
         ("num_hidden_groups", 3, r"num_layers=4, num_groups=3"),
     ],
 )

@@ -33,8 +33,8 @@ from tfgpt.config.finetuning import FinetuneConfig
 from tfgpt.training.flags import docstring_args
 
 FRONT_ENDS = {
-    "train_hvd.py": (TrainConfig, HorovodOptions, ("gpt", "bert", "albert")),
-    "train_mirrored.py": (TrainConfig, StrategyOptions, ("gpt", "bert", "albert")),
+    "train_hvd.py": (TrainConfig, HorovodOptions, ("gpt", "bert", "albert", "roberta")),
+    "train_mirrored.py": (TrainConfig, StrategyOptions, ("gpt", "bert", "albert", "roberta")),
     "finetune_hvd.py": (FinetuneConfig, HorovodOptions, ("bert", "albert")),
     "finetune_mirrored.py": (FinetuneConfig, StrategyOptions, ("bert", "albert")),
 }

@@ -52,6 +52,26 @@ def test_tiny_albert_learns_masked_tokens_within_a_cpu_minute(encoder_data, tmp_
     assert config["model"]["embedding_dim"] == 32
 
 
+def test_tiny_roberta_trains_the_masked_lm_alone(encoder_data, tmp_path):
+    # One segment and no pair task; positions skip the data's pad id.
+    model, metrics = _train([
+        "--data", str(encoder_data), "--out", str(tmp_path), "--preset", "roberta-demo",
+        "--num-layers", "2", "--hidden-dim", "32", "--num-heads", "2", "--intermediate-dim", "48",
+        "--max-sequence-length", "32", "--steps", "40", "--batch-size", "16",
+        "--learning-rate", "3e-3", "--warmup-steps", "5", "--log-every", "20",
+        "--eval-batches", "2", "--peak-flops", "1e10",
+    ])
+    manifest = json.loads((encoder_data / "manifest.json").read_text())
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["family"] == "roberta" and config["task"] == "mlm"
+    assert config["model"]["pad_id"] == manifest["tokenizer"]["pad_id"] == model.pad_id
+    assert config["model"]["num_segments"] == 1
+    assert not any(name.startswith(("val_nsp", "val_sop")) for name in metrics), metrics
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train_records = [r for r in records if r["split"] == "train"]
+    assert train_records[-1]["mlm_loss"] < train_records[0]["mlm_loss"], train_records
+
+
 @pytest.mark.distributed
 def test_bert_mlm_nsp_under_horovod_keeps_ranks_identical(encoder_data, tmp_path):
     flags = ["--data", encoder_data, "--out", tmp_path / "run", *TINY_BERT, "--task", "mlm+nsp",

@@ -1,10 +1,12 @@
-"""Load BERT and ALBERT checkpoints in the transformers layout into tfgpt models.
+"""BERT, ALBERT and RoBERTa checkpoints in the transformers layout, in and out of tfgpt.
 
 A transformers checkpoint directory holds `config.json` and
 `model.safetensors` (or shards listed in `model.safetensors.index.json`).
 `load_hf_encoder` builds the matching tfgpt model from `config.json` and
-copies every tensor into it; `load_hf_weights` fills a model you built.
-Nothing is downloaded: the directory must already be on disk, e.g. from
+copies every tensor into it; `load_hf_weights` fills a model you built;
+`save_hf_encoder` writes a tfgpt encoder as such a directory, which
+`transformers.AutoModel*.from_pretrained` reads. Nothing is downloaded: the
+directory must already be on disk, e.g. from
 `transformers.AutoModel.from_pretrained(...).save_pretrained(directory)`.
 
 Layout differences handled here:
@@ -14,11 +16,15 @@ Layout differences handled here:
   backbone's token embedding and owns `output_bias`.
 - ALBERT stores `num_hidden_groups` shared layers under
   `albert_layer_groups.{g}.albert_layers.0`; they fill `backbone.blocks[g]`.
+- RoBERTa's `max_position_embeddings` counts the `pad_token_id + 1` rows
+  before the first real token's; tfgpt's `max_sequence_length` does not.
+  `RobertaForMaskedLM` has no pooler; `Roberta`'s unused one is left out.
   `_LAYOUTS` holds each family's tensor names.
 
 Example:
 >>> model = load_hf_encoder("checkpoints/bert-base-uncased")  # doctest: +SKIP
 >>> model({"token_ids": ids})["mlm_logits"]  # doctest: +SKIP
+>>> save_hf_encoder(model, "exported")  # transformers.BertForPreTraining reads it  # doctest: +SKIP
 """
 
 import dataclasses
@@ -53,11 +59,14 @@ class _Layout:
     """Where a transformers checkpoint of one family keeps what tfgpt's model holds.
 
     `fields`: tfgpt config field -> (config.json key, default; None:
-    required), beyond the fields both families read alike. `required`:
+    required), beyond the fields every family reads alike. `required`:
     config.json key -> the value tfgpt's model needs (None also accepted).
     `block`: a block's tensor prefix, `{index}` its index in
     `backbone.blocks`; `block_parts`: the names under it of `_BLOCK_PARTS`.
-    The rest name single tensors or layers.
+    `masked_lm_transform`: the names under `masked_lm` of the head's dense
+    layer and layer norm. `classes`: the prefix of transformers' class
+    names. The rest name single tensors or layers (`pair_classifier` None:
+    no sentence-pair head).
     """
 
     fields: dict
@@ -66,24 +75,28 @@ class _Layout:
     block_parts: tuple
     pooler: str
     masked_lm: str
-    masked_lm_transform: str
-    pair_classifier: str
+    masked_lm_transform: tuple
+    pair_classifier: str | None
+    classes: str
 
+
+_BERT_BLOCK_PARTS = (
+    "attention.self.query", "attention.self.key", "attention.self.value",
+    "attention.output.dense", "attention.output.LayerNorm",
+    "intermediate.dense", "output.dense", "output.LayerNorm",
+)
 
 _LAYOUTS = {
     "bert": _Layout(
         fields={},
         required={},
         block="encoder.layer.{index}",
-        block_parts=(
-            "attention.self.query", "attention.self.key", "attention.self.value",
-            "attention.output.dense", "attention.output.LayerNorm",
-            "intermediate.dense", "output.dense", "output.LayerNorm",
-        ),
+        block_parts=_BERT_BLOCK_PARTS,
         pooler="pooler.dense",
         masked_lm="cls.predictions",
-        masked_lm_transform="transform.",
+        masked_lm_transform=("transform.dense", "transform.LayerNorm"),
         pair_classifier="cls.seq_relationship",
+        classes="Bert",
     ),
     # ALBERT stores `num_hidden_groups` shared layers under
     # `albert_layer_groups.{g}.albert_layers.0`; they fill `backbone.blocks[g]`.
@@ -98,8 +111,21 @@ _LAYOUTS = {
         ),
         pooler="pooler",
         masked_lm="predictions",
-        masked_lm_transform="",
+        masked_lm_transform=("dense", "LayerNorm"),
         pair_classifier="sop_classifier.classifier",
+        classes="Albert",
+    ),
+    # RoBERTa is BERT's encoder; its masked-LM head always applies exact GELU.
+    "roberta": _Layout(
+        fields={"pad_id": ("pad_token_id", None)},
+        required={"hidden_act": "gelu"},
+        block="encoder.layer.{index}",
+        block_parts=_BERT_BLOCK_PARTS,
+        pooler="pooler.dense",
+        masked_lm="lm_head",
+        masked_lm_transform=("dense", "layer_norm"),
+        pair_classifier=None,
+        classes="Roberta",
     ),
 }
 
@@ -112,6 +138,8 @@ _HF_ACTIVATIONS = {
     "gelu_pytorch_tanh": "gelu_tanh",
     "relu": "relu",
 }
+# What `save_hf_encoder` writes for each tfgpt activation.
+_ACTIVATIONS_TO_HF = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}
 
 _SAFETENSORS_DTYPES = {
     "F64": np.float64,
@@ -200,16 +228,17 @@ def read_hf_checkpoint(directory):
 
 
 def hf_encoder_config(hf_config, source="config.json"):
-    """Returns the `BertConfig` or `AlbertConfig` described by a transformers config dict.
+    """Returns the `BertConfig`, `AlbertConfig` or `RobertaConfig` a transformers config describes.
 
     Raises ValueError, naming the field and its value, for a model type other
-    than bert/albert and for features tfgpt's encoders do not have (relative
-    positions, decoders, ALBERT's inner groups).
+    than bert/albert/roberta and for features tfgpt's encoders do not have
+    (relative positions, decoders, ALBERT's inner groups).
     """
     model_type = hf_config.get("model_type")
     if model_type not in ENCODER_FAMILIES:
         raise ValueError(
-            f"{source}: expected a BERT or ALBERT checkpoint. Received: model_type={model_type!r}"
+            f"{source}: expected a BERT, ALBERT or RoBERTa checkpoint. "
+            f"Received: model_type={model_type!r}"
         )
     layout = _LAYOUTS[model_type]
     required = {
@@ -244,11 +273,20 @@ def hf_encoder_config(hf_config, source="config.json"):
         layer_norm_epsilon=float(hf_config["layer_norm_eps"]),
     )
     for field, (key, default) in layout.fields.items():
-        fields[field] = hf_config[key] if default is None else hf_config.get(key, default)
+        fields[field] = hf_config.get(key) if default is None else hf_config.get(key, default)
     try:
-        return FAMILIES[model_type].config_class(**fields)
+        config = FAMILIES[model_type].config_class(**fields)
     except ValueError as error:
         raise ValueError(f"{source}: {error}") from None
+    # RoBERTa's table has rows before the first real token's (`first_position`).
+    positions = fields["max_sequence_length"]
+    if positions <= config.first_position:
+        raise ValueError(
+            f"{source}: `max_position_embeddings` must exceed pad_token_id + 1, the rows "
+            f"before the first token's. Received: max_position_embeddings={positions}, "
+            f"pad_token_id={hf_config.get('pad_token_id')!r}"
+        )
+    return dataclasses.replace(config, max_sequence_length=positions - config.first_position)
 
 
 # ---- Building and loading ---------------------------------------------------
@@ -259,14 +297,16 @@ def load_hf_encoder(directory, family=None, head="pretraining"):
 
     Args:
         directory: str. A directory with `config.json` and `model.safetensors`.
-        family: str or None. `"bert"` or `"albert"` to insist on one; a
-            checkpoint of the other raises ValueError. None accepts both.
+        family: str or None. `"bert"`, `"albert"` or `"roberta"` to insist
+            on one; a checkpoint of another raises ValueError. None accepts
+            each.
         head: str or None. Which model to build:
             `"pretraining"`: `Bert`/`Albert` with masked-LM and NSP/SOP
-                heads (from a `*ForPreTraining` checkpoint);
+                heads (from a `*ForPreTraining` checkpoint), `Roberta` with
+                its masked-LM head (from `RobertaForMaskedLM`);
             `"classification"`: `SequenceClassifier` (from a
                 `*ForSequenceClassification` checkpoint; `num_classes` from
-                `id2label`);
+                `id2label`; not RoBERTa's, whose head has its own layout);
             `"question_answering"`: `SpanQuestionAnswerer` (from a
                 `*ForQuestionAnswering` checkpoint);
             None: the backbone alone, from any of them.
@@ -277,7 +317,9 @@ def load_hf_encoder(directory, family=None, head="pretraining"):
     if head not in HEADS:
         raise ValueError(f"`head` must be one of {HEADS}. Received: head={head!r}")
     if family not in (*ENCODER_FAMILIES, None):
-        raise ValueError(f"`family` must be 'bert', 'albert' or None. Received: family={family!r}")
+        raise ValueError(
+            f"`family` must be one of {ENCODER_FAMILIES} or None. Received: family={family!r}"
+        )
     hf_config, tensors = read_hf_checkpoint(directory)
     config = hf_encoder_config(hf_config, os.path.join(directory, "config.json"))
     model_type = hf_config["model_type"]
@@ -285,6 +327,12 @@ def load_hf_encoder(directory, family=None, head="pretraining"):
         raise ValueError(
             f"{directory} holds a different architecture: expected a {family} checkpoint. "
             f"Received: model_type={model_type!r}"
+        )
+    if head == "classification" and model_type == "roberta":
+        raise ValueError(
+            f"{directory}: RobertaForSequenceClassification's head (classifier.dense, "
+            "classifier.out_proj) is not read by tfgpt; load the backbone alone. "
+            f"Received: head={head!r}, model_type={model_type!r}"
         )
     fields = dataclasses.asdict(config)
     if head == "pretraining":
@@ -306,10 +354,10 @@ def load_hf_encoder(directory, family=None, head="pretraining"):
 
 
 def load_hf_weights(model, directory):
-    """Copies a transformers BERT/ALBERT checkpoint into an existing tfgpt `model`.
+    """Copies a transformers BERT/ALBERT/RoBERTa checkpoint into an existing tfgpt `model`.
 
-    `model` is a `Bert`, `Albert`, `BertBackbone`, `AlbertBackbone`,
-    `SequenceClassifier` or `SpanQuestionAnswerer`. Raises ValueError, naming
+    `model` is a `Bert`, `Albert`, `Roberta`, one of their backbones, a
+    `SequenceClassifier` or a `SpanQuestionAnswerer`. Raises ValueError, naming
     the field or tensor, when the checkpoint's architecture differs from the
     model's: another family, another shape in `config.json`, a tensor of
     another shape or a missing tensor.
@@ -344,7 +392,7 @@ def _backbone_of(model):
     if isinstance(model, (EncoderPretrainingModel, SequenceClassifier, SpanQuestionAnswerer)):
         return model.backbone
     raise ValueError(
-        "`model` must be a tfgpt BERT or ALBERT model. "
+        "`model` must be a tfgpt BERT, ALBERT or RoBERTa model. "
         f"Received: model of type {type(model).__name__}"
     )
 
@@ -414,13 +462,16 @@ def _backbone_map(prefix, backbone, layout):
 def _head_map(model, layout):
     if isinstance(model, EncoderPretrainingModel):
         head = model.masked_lm_head
-        transform = f"{layout.masked_lm}.{layout.masked_lm_transform}"
-        return [
-            *_dense(f"{transform}dense", head.transform),
-            *_norm(f"{transform}LayerNorm", head.transform_norm),
+        dense, norm = (f"{layout.masked_lm}.{name}" for name in layout.masked_lm_transform)
+        pairs = [
+            *_dense(dense, head.transform),
+            *_norm(norm, head.transform_norm),
             (f"{layout.masked_lm}.bias", head.output_bias, False),
-            *_dense(layout.pair_classifier, getattr(model, model.pair_head_name).classifier),
         ]
+        if model.pair_task is not None:
+            pair_head = getattr(model, model.pair_head_name)
+            pairs += _dense(layout.pair_classifier, pair_head.classifier)
+        return pairs
     if isinstance(model, SequenceClassifier):
         return _dense("classifier", model.classification_head.classifier)
     if isinstance(model, SpanQuestionAnswerer):
@@ -432,8 +483,23 @@ def _is_pooler(name, prefix):
     return name.startswith(f"{prefix}pooler.")
 
 
-# Tensors a checkpoint may hold that carry no information of their own.
-_REDUNDANT_SUFFIXES = ("position_ids", "predictions.decoder.bias")
+def _uses_pooler(model):
+    """Whether `model`'s outputs depend on its pooler: transformers' models
+    of the others (`*ForQuestionAnswering`, `RobertaForMaskedLM`) have none."""
+    if isinstance(model, SpanQuestionAnswerer):
+        return False
+    return not isinstance(model, EncoderPretrainingModel) or model.pair_task is not None
+
+
+def _checkpoint_prefix(model):
+    """Where a checkpoint of `model` keeps the backbone: `bert.` etc., none for a base model."""
+    return "" if isinstance(model, EncoderBackbone) else f"{_family_of(model)}."
+
+
+def _tensor_map(model, prefix):
+    """`(name, variable, transpose)` of every tensor `model` has in a checkpoint."""
+    layout = _LAYOUTS[_family_of(model)]
+    return _backbone_map(prefix, _backbone_of(model), layout) + _head_map(model, layout)
 
 
 def _assign(model, hf_config, tensors, directory):
@@ -451,7 +517,7 @@ def _assign(model, hf_config, tensors, directory):
             "embeddings.word_embeddings.weight); not a transformers "
             f"{family} checkpoint"
         )
-    pairs = _backbone_map(prefix, _backbone_of(model), layout) + _head_map(model, layout)
+    pairs = _tensor_map(model, prefix)
 
     if isinstance(model, EncoderPretrainingModel):
         if hf_config.get("tie_word_embeddings", True) is False:
@@ -469,9 +535,10 @@ def _assign(model, hf_config, tensors, directory):
                 "tfgpt's MaskedLMHead needs them tied"
             )
 
-    if isinstance(model, SpanQuestionAnswerer):
-        # *ForQuestionAnswering checkpoints have no pooler; the span head
-        # does not use it, so it keeps its initial weights.
+    if not _uses_pooler(model):
+        # *ForQuestionAnswering and RobertaForMaskedLM checkpoints have no
+        # pooler; the model's outputs do not use it, so it keeps its
+        # initial weights.
         pairs = [pair for pair in pairs if not _is_pooler(pair[0], prefix) or pair[0] in tensors]
     missing = [name for name, _, _ in pairs if name not in tensors]
     if missing:
@@ -500,16 +567,118 @@ def _assign(model, hf_config, tensors, directory):
         variable.assign(np.asarray(value, dtype=np.float32))
 
     used = {name for name, _, _ in pairs}
-    unused = sorted(
-        name
-        for name in tensors
-        if name not in used
-        and not name.endswith(_REDUNDANT_SUFFIXES)
-        and not name.endswith("predictions.decoder.weight")
-    )
+    # Tensors a checkpoint may hold that carry no information of their own:
+    # a buffer, and the tied decoder's copies of the embeddings and the bias.
+    redundant = ("position_ids", f"{layout.masked_lm}.decoder.bias",
+                 f"{layout.masked_lm}.decoder.weight")
+    unused = sorted(name for name in tensors if name not in used and not name.endswith(redundant))
     if unused and not isinstance(model, EncoderBackbone):
         warnings.warn(
             f"{directory}: {len(unused)} tensor(s) not used by the "
             f"{type(model).__name__}: {', '.join(unused[:5])}",
             stacklevel=3,
         )
+
+
+# ---- Writing ----------------------------------------------------------------
+
+
+def _architecture(model):
+    """transformers' class name of `model`'s checkpoint, e.g. `RobertaForMaskedLM`."""
+    layout = _LAYOUTS[_family_of(model)]
+    if isinstance(model, EncoderBackbone):
+        return f"{layout.classes}Model"
+    if isinstance(model, SequenceClassifier):
+        return f"{layout.classes}ForSequenceClassification"
+    if isinstance(model, SpanQuestionAnswerer):
+        return f"{layout.classes}ForQuestionAnswering"
+    return f"{layout.classes}ForPreTraining" if model.pair_task else f"{layout.classes}ForMaskedLM"
+
+
+def hf_config_from_encoder(model):
+    """Returns the transformers `config.json` dict of a tfgpt encoder model.
+
+    The inverse of `hf_encoder_config`. Raises ValueError, naming the field,
+    for what transformers' encoders do not have: pre-layer-norm blocks, an
+    activation outside `gelu`, `gelu_tanh`, `relu` (RoBERTa: `gelu` only),
+    or RoBERTa's classification head.
+    """
+    family = _family_of(model)
+    layout = _LAYOUTS[family]
+    config = _backbone_of(model).config
+    if config.norm_first:
+        raise ValueError(
+            "transformers' encoders are post-layer-norm; a pre-layer-norm model has no "
+            "equivalent. Received: norm_first=True"
+        )
+    if config.activation not in _ACTIVATIONS_TO_HF:
+        raise ValueError(
+            f"transformers' {family} has no activation {config.activation!r}. Received: "
+            f"activation={config.activation!r}. Supported: {', '.join(_ACTIVATIONS_TO_HF)}"
+        )
+    hf_config = {
+        "architectures": [_architecture(model)],
+        "model_type": family,
+        "vocab_size": config.vocabulary_size,
+        "hidden_size": config.hidden_dim,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "intermediate_size": config.intermediate_dim,
+        "hidden_act": _ACTIVATIONS_TO_HF[config.activation],
+        "hidden_dropout_prob": config.dropout,
+        "attention_probs_dropout_prob": config.dropout,
+        "max_position_embeddings": config.max_sequence_length + config.first_position,
+        "type_vocab_size": config.num_segments,
+        "layer_norm_eps": config.layer_norm_epsilon,
+        "position_embedding_type": "absolute",
+        "tie_word_embeddings": True,
+        **{key: getattr(config, field) for field, (key, _) in layout.fields.items()},
+    }
+    for key, needed in layout.required.items():
+        if hf_config.setdefault(key, needed) != needed:
+            raise ValueError(
+                f"transformers' {family} needs {key}={needed!r}. "
+                f"Received: {key}={hf_config[key]!r} (activation={config.activation!r})"
+            )
+    if isinstance(model, SequenceClassifier):
+        if family == "roberta":
+            raise ValueError(
+                "RobertaForSequenceClassification's head has its own layout, which tfgpt "
+                "does not write; save the backbone alone. Received: a SequenceClassifier "
+                "on a RobertaBackbone"
+            )
+        hf_config["id2label"] = {str(i): f"LABEL_{i}" for i in range(model.num_classes)}
+        hf_config["label2id"] = {f"LABEL_{i}": i for i in range(model.num_classes)}
+    return hf_config
+
+
+def save_hf_encoder(model, directory):
+    """Writes a tfgpt encoder as a transformers checkpoint directory.
+
+    `config.json` (`hf_config_from_encoder`) and `model.safetensors` in
+    float32, named as `save_pretrained` names them: a backbone as
+    `{Bert,Albert,Roberta}Model`, `Bert`/`Albert` as `*ForPreTraining`,
+    `Roberta` as `RobertaForMaskedLM` (without the pooler it does not use),
+    a `SequenceClassifier` or `SpanQuestionAnswerer` as the task's model.
+    The masked-LM decoder is tied, so only the embeddings are written.
+    `load_hf_encoder` and transformers' `from_pretrained` read it back.
+
+    Example:
+    >>> save_hf_encoder(Roberta.from_preset("roberta-demo"), "out")  # doctest: +SKIP
+    >>> transformers.RobertaForMaskedLM.from_pretrained("out")  # doctest: +SKIP
+    """
+    from safetensors.numpy import save_file
+
+    hf_config = hf_config_from_encoder(model)
+    prefix = _checkpoint_prefix(model)
+    tensors = {}
+    for name, variable, transpose in _tensor_map(model, prefix):
+        if _is_pooler(name, prefix) and not _uses_pooler(model):
+            continue
+        value = np.asarray(variable.numpy(), np.float32)
+        tensors[name] = np.ascontiguousarray(value.T if transpose else value)
+    os.makedirs(directory, exist_ok=True)
+    save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(directory, "config.json"), "w") as file:
+        json.dump(hf_config, file, indent=2, sort_keys=True)
+        file.write("\n")

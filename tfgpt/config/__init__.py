@@ -1,7 +1,7 @@
 """Configuration: the model families' dataclasses and presets, and TrainConfig.
 
-- `tfgpt.config.models`: `GPTConfig`, `BertConfig`, `AlbertConfig` (on the
-  shared `TransformerConfig` and `EncoderConfig`), their presets and
+- `tfgpt.config.models`: `GPTConfig`, `BertConfig`, `AlbertConfig`,
+  `RobertaConfig` (on the shared `TransformerConfig` and `EncoderConfig`), their presets and
   `FAMILIES`, the registry of model families.
 - `tfgpt.config.training`: `TrainConfig` and its enumerations.
 - `tfgpt.config.checks`: argument checks both share.
@@ -16,17 +16,21 @@ from tfgpt.config.models import (
     BERT_PRESETS,
     ENCODER_FAMILIES,
     FAMILIES,
+    FINETUNING_FAMILIES,
     GPT_PRESETS,
+    ROBERTA_PRESETS,
     AlbertConfig,
     BertConfig,
     EncoderConfig,
     Family,
     GPTConfig,
+    RobertaConfig,
     TransformerConfig,
     family_of_preset,
     validate_albert_config,
     validate_bert_config,
     validate_gpt_config,
+    validate_roberta_config,
 )
 from tfgpt.config.training import (
     ALLREDUCE_BUCKET_MB,
@@ -44,9 +48,11 @@ __all__ = [
     "BERT_PRESETS",
     "ENCODER_FAMILIES",
     "FAMILIES",
+    "FINETUNING_FAMILIES",
     "GPT_PRESETS",
     "MIXED_PRECISION",
     "OPTIMIZERS",
+    "ROBERTA_PRESETS",
     "SCHEDULES",
     "TASKS",
     "AlbertConfig",
@@ -54,6 +60,7 @@ __all__ = [
     "EncoderConfig",
     "Family",
     "GPTConfig",
+    "RobertaConfig",
     "TrainConfig",
     "TransformerConfig",
     "family_of_preset",
@@ -61,4 +68,5 @@ __all__ = [
     "validate_albert_config",
     "validate_bert_config",
     "validate_gpt_config",
+    "validate_roberta_config",
 ]

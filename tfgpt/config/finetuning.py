@@ -6,7 +6,7 @@ Importing this module does not import TensorFlow.
 import dataclasses
 import typing
 
-from tfgpt.config.models import ENCODER_FAMILIES, FAMILIES
+from tfgpt.config.models import FAMILIES, FINETUNING_FAMILIES
 from tfgpt.config.training import RunConfig, require_one_of
 
 TASKS = ("classification", "squad")
@@ -83,7 +83,7 @@ class FinetuneConfig(RunConfig):
         ("steps",) + RunConfig.NON_NEGATIVE_INTS + ("max_sequence_length",)
     )
     PRESETS: typing.ClassVar[tuple] = tuple(
-        name for family in ENCODER_FAMILIES for name in FAMILIES[family].presets
+        name for family in FINETUNING_FAMILIES for name in FAMILIES[family].presets
     )
     WARMUP_FLAG: typing.ClassVar[str] = "--warmup-fraction"
 

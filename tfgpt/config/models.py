@@ -52,6 +52,7 @@ _CHECKS_BY_NAME = {
     "window_layers": lambda name, value: require_one_of(name, value, WINDOW_LAYERS),
     "num_key_value_heads": require_non_negative_int,
     "head_dim": require_non_negative_int,
+    "pad_id": require_non_negative_int,
     "sliding_window": require_non_negative_int,
     "rotary_fraction": _require_rotary_fraction,
     "rope_theta": require_positive_number,
@@ -262,6 +263,14 @@ class EncoderConfig(TransformerConfig):
     layer_norm_epsilon: float = 1e-12
     num_segments: int = 2
 
+    @property
+    def first_position(self):
+        """The position-table row of the first real token: 0 (BERT, ALBERT).
+
+        The table has `max_sequence_length + first_position` rows.
+        """
+        return 0
+
 
 @dataclasses.dataclass
 class BertConfig(EncoderConfig):
@@ -303,6 +312,43 @@ class AlbertConfig(EncoderConfig):
         require_divisible("num_layers", self.num_layers, "num_groups", self.num_groups)
 
 
+@dataclasses.dataclass
+class RobertaConfig(EncoderConfig):
+    """Shape of a RoBERTa encoder (Liu et al. 2019).
+
+    BERT's encoder trained differently: the fields of `EncoderConfig`
+    (defaults: roberta-base as released: GPT-2's byte-level BPE vocabulary
+    of 50265 ids, one segment, layer-norm epsilon 1e-5, dropout 0.1) and:
+
+    Args:
+        pad_id: int. The padding token's id, below `vocabulary_size`.
+            Positions count the non-pad tokens from `pad_id + 1` (fairseq's
+            `make_positions`) and every pad token reads row `pad_id`, so the
+            position table has `max_sequence_length + pad_id + 1` rows
+            (514 for 512 tokens with `pad_id` 1).
+    """
+
+    vocabulary_size: int = 50265
+    num_segments: int = 1
+    layer_norm_epsilon: float = 1e-5
+    dropout: float = 0.1
+    activation: str = "gelu"
+    pad_id: int = 1
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.pad_id >= self.vocabulary_size:
+            raise ValueError(
+                "`pad_id` must be an id of the vocabulary (below `vocabulary_size`). "
+                f"Received: pad_id={self.pad_id}, vocabulary_size={self.vocabulary_size}"
+            )
+
+    @property
+    def first_position(self):
+        """The position-table row of the first real token: `pad_id + 1`."""
+        return self.pad_id + 1
+
+
 def _validator(config_class):
     def validate(**fields):
         config_class(**fields)
@@ -317,6 +363,7 @@ def _validator(config_class):
 validate_gpt_config = _validator(GPTConfig)
 validate_bert_config = _validator(BertConfig)
 validate_albert_config = _validator(AlbertConfig)
+validate_roberta_config = _validator(RobertaConfig)
 
 
 def _sized(config_class, num_layers, hidden_dim, num_heads, **fields):
@@ -455,6 +502,19 @@ ALBERT_PRESETS: dict[str, dict[str, typing.Any]] = {
     "albert-xxlarge": _sized(AlbertConfig, 12, 4096, 64),
 }
 
+# roberta-base 124,645,632 and roberta-large 355,359,744 (backbones with a
+# pooler, as transformers' RobertaModel); the masked-LM model adds its head
+# and keeps the pooler, which transformers' RobertaForMaskedLM leaves out.
+# Liu et al. 2019, as released: BERT's shapes, 512 tokens (514 position rows).
+ROBERTA_PRESETS: dict[str, dict[str, typing.Any]] = {
+    # Sized for a 2-core CPU, like bert-demo.
+    "roberta-demo": _sized(
+        RobertaConfig, 4, 192, 4, vocabulary_size=2000, max_sequence_length=128, dropout=0.0
+    ),
+    "roberta-base": _sized(RobertaConfig, 12, 768, 12),
+    "roberta-large": _sized(RobertaConfig, 24, 1024, 16),
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class Family:
@@ -464,13 +524,13 @@ class Family:
     for, so that the registry (and `--help`) does not import TensorFlow.
 
     Args:
-        name: str. `"gpt"`, `"bert"` or `"albert"`: the name written into a
-            run's `config.json`.
+        name: str. `"gpt"`, `"bert"`, `"albert"` or `"roberta"`: the name
+            written into a run's `config.json`.
         config_class: type. The family's config dataclass.
         presets: dict. Preset name -> config fields.
         tasks: tuple of str. Pretraining tasks this family trains; the first
             is what `--task auto` picks, and the part after its `+` the
-            family's sentence-pair task (`pair_task`).
+            family's sentence-pair task (`pair_task`; RoBERTa has none).
         backbone: str. `"module:Class"` of the backbone (for GPT, the model).
         pretraining_model: str. `"module:Class"` of the backbone with its
             pretraining heads.
@@ -522,9 +582,15 @@ FAMILIES = {
                "tfgpt.models.bert:BertBackbone", "tfgpt.models.bert:Bert"),
         Family("albert", AlbertConfig, ALBERT_PRESETS, ("mlm+sop", "mlm"),
                "tfgpt.models.albert:AlbertBackbone", "tfgpt.models.albert:Albert"),
+        Family("roberta", RobertaConfig, ROBERTA_PRESETS, ("mlm",),
+               "tfgpt.models.roberta:RobertaBackbone", "tfgpt.models.roberta:Roberta"),
     )
 }
-ENCODER_FAMILIES = ("bert", "albert")
+ENCODER_FAMILIES = ("bert", "albert", "roberta")
+# The encoders the fine-tuning front ends take. Not RoBERTa yet: its byte-level
+# BPE tokenizer has no offsets for SQuAD, and a question-context pair has one
+# segment.
+FINETUNING_FAMILIES = ("bert", "albert")
 
 
 def family_of_preset(preset):

@@ -4,10 +4,10 @@ Importing this module does not import TensorFlow.
 """
 
 from tfgpt.config.finetuning import FinetuneConfig
-from tfgpt.config.models import ENCODER_FAMILIES, FAMILIES, family_of_preset
+from tfgpt.config.models import FAMILIES, FINETUNING_FAMILIES, family_of_preset
 from tfgpt.training.flags import parse_config_flags, require_model_fields
 
-ENCODER_CONFIG_CLASSES = tuple(FAMILIES[name].config_class for name in ENCODER_FAMILIES)
+ENCODER_CONFIG_CLASSES = tuple(FAMILIES[name].config_class for name in FINETUNING_FAMILIES)
 
 
 def _check_random_model(config, model_overrides):

@@ -21,7 +21,7 @@ import os
 import tensorflow as tf
 
 from tfgpt.checkpoint import latest, load_weights
-from tfgpt.config.models import ENCODER_FAMILIES, FAMILIES, family_of_preset
+from tfgpt.config.models import FAMILIES, FINETUNING_FAMILIES, family_of_preset
 from tfgpt.convert_encoders import hf_encoder_config, load_hf_weights
 from tfgpt.models.sequence_classifier import SequenceClassifier
 from tfgpt.models.span_question_answerer import SpanQuestionAnswerer
@@ -81,7 +81,7 @@ def describe_init(init):
             f"{config_path}: neither a tfgpt run's config (\"family\", \"model\") nor a "
             "Hugging Face config (\"model_type\")"
         )
-    if family not in ENCODER_FAMILIES:
+    if family not in FINETUNING_FAMILIES:
         raise ValueError(
             f"--init {init} holds a {family!r} model; fine-tuning needs a BERT or ALBERT "
             "encoder (family 'bert' or 'albert')"

@@ -1,4 +1,4 @@
-"""What the BERT and ALBERT backbones share: embeddings, blocks and a pooler."""
+"""What the BERT, ALBERT and RoBERTa backbones share: embeddings, blocks and a pooler."""
 
 import keras
 
@@ -9,7 +9,7 @@ from tfgpt.models.encoder_inputs import unpack_encoder_inputs
 
 
 class EncoderBackbone(BlockStack, ConfiguredModel):
-    """A bidirectional transformer encoder: BERT's, and ALBERT's as two changes.
+    """A bidirectional transformer encoder: BERT's, and ALBERT's and RoBERTa's as changes.
 
     Token, position and segment embeddings summed and layer-normalised,
     bidirectional `TransformerBlock`s (post-LN; pre-LN plus a final layer
@@ -18,7 +18,9 @@ class EncoderBackbone(BlockStack, ConfiguredModel):
     al. 2020) come with its config's two extra fields: `embedding_dim`
     (embeddings of width E, projected to H by `embedding_projection`) and
     `num_groups` (that many blocks hold parameters; layer i applies
-    `block_for_layer(i)`).
+    `block_for_layer(i)`). RoBERTa's one change (Liu et al. 2019) comes with
+    its config's `pad_id`: positions that skip the pad tokens
+    (`EncoderEmbedding`).
 
     Inputs: a dict with `token_ids` (B, T) and optionally `segment_ids`
     (B, T) and `padding_mask` (B, T, true at real tokens), or a bare
@@ -35,6 +37,11 @@ class EncoderBackbone(BlockStack, ConfiguredModel):
     def embedding_width(self):
         """Width of the embeddings: the config's `embedding_dim`, else `hidden_dim`."""
         return getattr(self.config, "embedding_dim", self.hidden_dim)
+
+    @property
+    def pad_id(self):
+        """The pad id that positions skip: the config's `pad_id` (RoBERTa), else None."""
+        return getattr(self.config, "pad_id", None)
 
     @property
     def num_blocks(self):
@@ -58,6 +65,7 @@ class EncoderBackbone(BlockStack, ConfiguredModel):
             self.embedding_width,
             dropout=self.dropout,
             layer_norm_epsilon=self.layer_norm_epsilon,
+            pad_id=self.pad_id,
             dtype=policy,
             name="embeddings",
         )

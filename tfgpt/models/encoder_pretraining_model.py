@@ -1,4 +1,4 @@
-"""What BERT's and ALBERT's pretraining models share: a backbone and two heads."""
+"""What BERT's, ALBERT's and RoBERTa's pretraining models share: a backbone and heads."""
 
 import dataclasses
 
@@ -15,13 +15,14 @@ class EncoderPretrainingModel(ConfiguredModel):
     config; a `MaskedLMHead` transforms to the width of the token embedding
     and is tied to it (Devlin et al. 2019); a two-class `ClassificationHead`
     on the pooled output predicts the sentence-pair task `pair_task` (its
-    attribute is `pair_head_name`).
+    attribute is `pair_head_name`). A family without a sentence-pair task
+    (`pair_task` None: RoBERTa) has the masked-LM head only.
 
     Inputs: the backbone's dict plus optionally `mask_positions` (B, P), the
     positions whose original token the masked LM predicts; without it the
     masked LM scores every position. Outputs: a dict with the backbone's
-    `sequence_output` and `pooled_output`, `mlm_logits` (B, P, V) and
-    `{pair_task}_logits` (B, 2), logits in float32.
+    `sequence_output` and `pooled_output`, `mlm_logits` (B, P, V) and, with
+    a pair task, `{pair_task}_logits` (B, 2), logits in float32.
     """
 
     backbone_class = None
@@ -45,24 +46,26 @@ class EncoderPretrainingModel(ConfiguredModel):
             dtype=policy,
             name="masked_lm_head",
         )
-        pair_head = ClassificationHead(
-            2,
-            dropout=self.dropout if self.pair_head_dropout else 0.0,
-            dtype=policy,
-            name=self.pair_head_name,
-        )
-        setattr(self, self.pair_head_name, pair_head)
+        if self.pair_task is not None:
+            pair_head = ClassificationHead(
+                2,
+                dropout=self.dropout if self.pair_head_dropout else 0.0,
+                dtype=policy,
+                name=self.pair_head_name,
+            )
+            setattr(self, self.pair_head_name, pair_head)
         self.build((None, None))
 
     def build(self, input_shape):
         if isinstance(input_shape, dict):
             input_shape = input_shape["token_ids"]
         self.masked_lm_head.build(tuple(input_shape) + (self.hidden_dim,))
-        getattr(self, self.pair_head_name).build((input_shape[0], self.hidden_dim))
+        if self.pair_task is not None:
+            getattr(self, self.pair_head_name).build((input_shape[0], self.hidden_dim))
         self.built = True
 
     def call(self, inputs, training=None):
-        """Returns the backbone outputs plus `mlm_logits` and the pair task's logits."""
+        """Returns the backbone outputs plus `mlm_logits` and any pair task's logits."""
         token_ids, segment_ids, padding_mask, extras = unpack_encoder_inputs(
             inputs, extra_keys=("mask_positions",)
         )
@@ -74,7 +77,9 @@ class EncoderPretrainingModel(ConfiguredModel):
             self.backbone.token_embedding,
             mask_positions=extras["mask_positions"],
         )
-        pair_logits = getattr(self, self.pair_head_name)(
-            outputs["pooled_output"], training=training
-        )
-        return {**outputs, "mlm_logits": mlm_logits, f"{self.pair_task}_logits": pair_logits}
+        outputs = {**outputs, "mlm_logits": mlm_logits}
+        if self.pair_task is not None:
+            outputs[f"{self.pair_task}_logits"] = getattr(self, self.pair_head_name)(
+                outputs["pooled_output"], training=training
+            )
+        return outputs

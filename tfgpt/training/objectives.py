@@ -1,14 +1,15 @@
 """What is trained: the model family, its data, its loss and its metrics.
 
 - `clm`: causal language modelling with a GPT on packed token records.
-- `mlm`, `mlm+nsp`, `mlm+sop`: masked-LM pretraining of BERT or ALBERT on
-  encoder records (`pipelines.prepare --format encoder`), with dynamic
-  masking and, for the last two, next-sentence or sentence-order
-  prediction (`pipelines.encoder_data`). The loss is the masked-LM
-  cross-entropy plus the sentence-pair cross-entropy.
+- `mlm`, `mlm+nsp`, `mlm+sop`: masked-LM pretraining of BERT, ALBERT or
+  RoBERTa (`mlm` only) on encoder records (`pipelines.prepare --format
+  encoder`), with dynamic masking and, for the last two, next-sentence or
+  sentence-order prediction (`pipelines.encoder_data`). The loss is the
+  masked-LM cross-entropy plus the sentence-pair cross-entropy.
 
-The preset names the family (`gpt-*`, `bert-*`, `albert-*`); `--task auto`
-picks the family's pretraining task (clm, mlm+nsp, mlm+sop).
+The preset names the family (`gpt-*`, `bert-*`, `albert-*`, `roberta-*`);
+`--task auto` picks the family's pretraining task (clm, mlm+nsp, mlm+sop,
+mlm).
 """
 
 import dataclasses
@@ -56,7 +57,7 @@ class MaskedLanguageModelling:
 
     Args:
         name: str. "mlm", "mlm+nsp" or "mlm+sop".
-        family: str. "bert" or "albert".
+        family: str. "bert", "albert" or "roberta".
     """
 
     data_format = reader.ENCODER_FORMAT
@@ -66,14 +67,21 @@ class MaskedLanguageModelling:
         self.family = family
         self.pair_task = name.split("+")[1] if "+" in name else None
         # The data always carries a pair label, the family's; plain mlm ignores it.
-        self._data_task = self.pair_task or FAMILIES[family].pair_task
+        # A family without a pair task (RoBERTa) reads the pair as one segment.
+        self._one_segment = FAMILIES[family].pair_task is None
+        self._data_task = self.pair_task or FAMILIES[family].pair_task or "sop"
         self._pair_label = _PAIR_LABELS[self._data_task]
         self._pair_logits = f"{self._data_task}_logits"  # Bert's nsp_logits, Albert's sop_logits
 
     def dataset(self, data_dir, split, batch_size, **options):
-        return encoder_data.make_encoder_dataset(
+        dataset = encoder_data.make_encoder_dataset(
             data_dir, split, batch_size, task=self._data_task, **options
         )
+        if self._one_segment:
+            # RoBERTa has no second segment row: its inputs are one segment.
+            dataset = dataset.map(lambda features, labels: (
+                {key: value for key, value in features.items() if key != "segment_ids"}, labels))
+        return dataset
 
     def loss(self, model, batch, training):
         features, labels = batch

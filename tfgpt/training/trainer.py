@@ -30,8 +30,9 @@ __all__ = ["TrainingDiverged", "evaluate", "resolve_model_config", "train"]
 def resolve_model_config(train_config, model_overrides, manifest, family, saved=None):
     """Returns the model config for this run: preset, flags, the data, a checkpoint.
 
-    The vocabulary size comes from the data's tokenizer unless a flag sets
-    it. When resuming, the architecture comes from the checkpoint's
+    The vocabulary size, and the pad id of a config that has one
+    (RoBERTa's positions skip pads), come from the data's tokenizer unless a
+    flag sets them. When resuming, the architecture comes from the checkpoint's
     config.json and a flag that contradicts it is an error.
     """
     cls = FAMILIES[family].config_class
@@ -47,6 +48,9 @@ def resolve_model_config(train_config, model_overrides, manifest, family, saved=
     else:
         overrides = dict(model_overrides)
         overrides.setdefault("vocabulary_size", data_vocabulary)
+        data_pad_id = manifest["tokenizer"].get("pad_id", -1)
+        if "pad_id" in {field.name for field in dataclasses.fields(cls)} and data_pad_id >= 0:
+            overrides.setdefault("pad_id", data_pad_id)
         config = cls.from_preset(train_config.preset, **overrides)
     if config.vocabulary_size < data_vocabulary:
         raise ValueError(
