@@ -138,10 +138,10 @@ def with_specials(texts, special_tokens):
 def random_texts(count, seed):
     """Random mixes of the characters the pre-tokenizers treat specially."""
     alphabet = list("aeiouxyzAZSLT0189'.,!?-_(\"sltrevmd") + [" "] * 10 + list(
-        "\n\n\t\r\u3000\u00a0\x0b\x1c\u0301éü日😀"
-    )
+        "\n\n\t\r\r\u3000\u00a0\x0b\x1c\x85\u2028\u0301\u017féü日😀"
+    ) + [SPECIAL]
     rng = np.random.default_rng(seed)
-    return ["".join(rng.choice(alphabet, rng.integers(0, 30))) for _ in range(count)]
+    return ["".join(rng.choice(alphabet, rng.integers(0, 40))) for _ in range(count)]
 
 
 # ---- Byte-level BPE from tokenizer.json --------------------------------------
