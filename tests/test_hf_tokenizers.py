@@ -338,3 +338,38 @@ def test_directory_without_tokenizer_files_is_named(tmp_path, byte_level_files):
                   lambda c: c.update(model={"type": "WordPiece", "vocab": {}}))
     with pytest.raises(ValueError, match=r"wordpiece/tokenizer.json: .*model type='WordPiece'"):
         load_hf_tokenizer(str(path.parent))
+
+
+# ---- A Hugging Face decoder directory, loaded and exported ----------------------
+
+
+@pytest.mark.parametrize("source", ["tokenizer.json", "tokenizer.model"])
+def test_llama_directory_loads_with_its_tokenizer_and_generates_from_text(
+        tmp_path, byte_level_files, llama2_directory, source):
+    torch = pytest.importorskip("torch")
+    from tfgpt.export import GenerationModule
+    from tfgpt.loading import load_model
+
+    tokenizer_directory = (byte_level_files["llama3"].parent if source == "tokenizer.json"
+                           else llama2_directory)
+    directory = tmp_path / "llama"
+    shutil.copytree(tokenizer_directory, directory)
+    vocabulary_size = load_hf_tokenizer(str(directory)).vocabulary_size
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=vocabulary_size, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+        num_attention_heads=2, max_position_embeddings=32)).save_pretrained(directory)
+    model, tokenizer = load_model(str(directory))
+    bos = "<|begin_of_text|>" if source == "tokenizer.json" else ""
+    assert tokenizer.encode("Hello world")[0] == (
+        tokenizer.special_tokens[bos] if bos else tokenizer.bos_id)
+    module = GenerationModule(model, tokenizer, 3, stop_at_eos=False)  # What export saves.
+    outputs = module.generate(tf.constant(["Hello world", ""]))
+    texts = [t.decode("utf-8", "replace") for t in outputs["texts"].numpy()]
+    assert texts[0].startswith(bos + "Hello world")
+    assert outputs["lengths"].numpy().tolist() == [3, 3]
+    for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"):
+        if (directory / name).exists():
+            (directory / name).unlink()
+    with pytest.raises(ValueError, match=r"No tokenizer in .*llama: expected tokenizer.json"):
+        load_model(str(directory))
