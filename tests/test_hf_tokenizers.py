@@ -172,7 +172,7 @@ def test_byte_level_settings_read_from_the_file(byte_level_files):
     llama = BytePairTokenizer.from_tokenizer_json(str(byte_level_files["llama3"]))
     assert llama.split_pattern == LLAMA3_SPLIT_PATTERN
     assert llama.ignore_merges and llama.normalization is None
-    assert llama.prefix_ids == [llama.special_tokens["<|begin_of_text|>"]]
+    assert llama.prefix_ids == [llama.special_tokens["<|begin_of_text|>"]] == [llama.bos_id]
     assert llama.eos_id == llama.special_tokens["<|end_of_text|>"]  # tokenizer_config.json
     assert llama.encode("") == llama.prefix_ids
     qwen = BytePairTokenizer.from_tokenizer_json(str(byte_level_files["qwen2"]))

@@ -222,6 +222,8 @@ class BytePairTokenizer(tf.Module):
                     "`eos_token` must be a special token or in the vocabulary. "
                     f"Received: eos_token={eos_token!r}"
                 )
+        # The first id the post-processor puts before the text (Llama 3's).
+        self.bos_id = self.prefix_ids[0] if self.prefix_ids else None
         self.eos_id = None
         if eos_token is not None:
             self.eos_id = self.special_tokens.get(eos_token, self.vocabulary.get(eos_token))
