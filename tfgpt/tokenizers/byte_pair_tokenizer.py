@@ -65,9 +65,7 @@ _SPLIT_PATTERNS = {
         _WHITESPACE_BUT_NEWLINES,
     ),
 }
-SPLIT_PATTERN_NAMES = {
-    GPT2_SPLIT_PATTERN: "GPT-2's", LLAMA3_SPLIT_PATTERN: "Llama 3's", QWEN2_SPLIT_PATTERN: "Qwen2's"
-}
+SPLIT_PATTERNS = tuple(_SPLIT_PATTERNS)
 NORMALIZATIONS = (None, "NFC")
 _SPECIAL_TOKENS = ("<|endoftext|>",)
 TOKENIZER_JSON_FILE = "tokenizer.json"
@@ -293,8 +291,9 @@ class BytePairTokenizer(tf.Module):
 
     @classmethod
     def from_directory(cls, directory):
-        """Builds the tokenizer from `directory/tokenizer.json` if there is one,
-        else from `directory/vocab.json` and `merges.txt`."""
+        """Builds the tokenizer from `directory`: its `tokenizer.json` if it has one,
+        else its `vocab.json` and `merges.txt`.
+        """
         if os.path.isfile(os.path.join(directory, TOKENIZER_JSON_FILE)):
             return cls.from_tokenizer_json(os.path.join(directory, TOKENIZER_JSON_FILE))
         return cls.from_files(

@@ -24,7 +24,7 @@ import os
 
 from tfgpt.tokenizers.byte_pair_tokenizer import (
     GPT2_SPLIT_PATTERN,
-    SPLIT_PATTERN_NAMES,
+    SPLIT_PATTERNS,
 )
 
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -107,7 +107,7 @@ def _split_pattern(pre_tokenizer, path):
                 f"behavior={split.get('behavior')!r}, invert={split.get('invert')!r}"
             )
         pattern = (split.get("pattern") or {}).get("Regex")
-        if pattern not in SPLIT_PATTERN_NAMES:
+        if pattern not in SPLIT_PATTERNS:
             raise ValueError(
                 f"{path}: tfgpt runs the pre-tokenizer pattern in RE2, which has no "
                 "lookahead, and supports GPT-2's, Llama 3's and Qwen2's. Received: "
