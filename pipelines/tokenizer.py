@@ -43,6 +43,7 @@ Example:
 True
 """
 
+import functools
 import io
 import os
 from typing import Iterable, List, Optional, Sequence
@@ -120,6 +121,10 @@ class Tokenizer:
     Args:
         model_proto: bytes. The serialized SentencePiece model (the contents
             of a `tokenizer.model` file).
+        add_bos: bool. Put the model's bos id before every text, in `encode`,
+            `encode_batch` and `tf_tokenizer()`, as transformers'
+            `LlamaTokenizer` does (its `add_bos_token`) for Llama 2 and
+            Mistral. A model without a bos piece (tfgpt's) adds nothing.
 
     Example:
 
@@ -128,7 +133,7 @@ class Tokenizer:
     [[...], [...]]
     """
 
-    def __init__(self, model_proto: bytes):
+    def __init__(self, model_proto: bytes, add_bos: bool = False):
         if not isinstance(model_proto, (bytes, bytearray)) or not model_proto:
             raise ValueError(
                 "`model_proto` must be the non-empty bytes of a SentencePiece model. "
@@ -140,17 +145,19 @@ class Tokenizer:
             self._processor.LoadFromSerializedProto(self._model_proto)
         except Exception as error:  # SentencePiece raises RuntimeError/OSError.
             raise ValueError(f"`model_proto` is not a valid SentencePiece model: {error}") from None
+        self.add_bos = bool(add_bos) and self._processor.bos_id() >= 0
 
     filename = MODEL_FILENAME
 
     @classmethod
-    def load(cls, path: str):
+    def load(cls, path: str, add_bos: bool = False):
         """Load a tokenizer from a file or a directory.
 
         Args:
             path: str. A SentencePiece model file, a WordPiece `vocab.txt`, or
                 a directory holding `tokenizer.model` or `vocab.txt` (e.g. a
                 prepared data directory).
+            add_bos: bool. For a SentencePiece model: put its bos id first.
 
         Returns:
             Tokenizer, or `pipelines.wordpiece_tokenizer.WordPieceTokenizer`
@@ -180,7 +187,7 @@ class Tokenizer:
             raise ValueError(
                 f"Cannot read tokenizer model. Received: path={path!r} ({error.strerror})"
             ) from None
-        return from_file_contents(cls, model_proto, path)
+        return from_file_contents(functools.partial(cls, add_bos=add_bos), model_proto, path)
 
     @property
     def model_proto(self) -> bytes:
@@ -269,7 +276,7 @@ class Tokenizer:
         return self._processor.IdToPiece(int(token_id))
 
     def encode(self, text: str) -> List[int]:
-        """Encode one text to ids. No EOS is added.
+        """Encode one text to ids. No EOS is added; the bos id is with `add_bos`.
 
         Args:
             text: str.
@@ -277,7 +284,7 @@ class Tokenizer:
         Returns:
             list of int.
         """
-        return self._processor.Encode(check_text(text))
+        return self._processor.Encode(check_text(text), add_bos=self.add_bos)
 
     def encode_batch(
         self, texts: Sequence[str], num_threads: Optional[int] = None
@@ -298,7 +305,7 @@ class Tokenizer:
             raise ValueError(
                 f"`num_threads` must be at least 1. Received: num_threads={num_threads}"
             )
-        return self._processor.Encode(texts, num_threads=num_threads)
+        return self._processor.Encode(texts, add_bos=self.add_bos, num_threads=num_threads)
 
     def decode(self, ids: Iterable[int]) -> str:
         """Decode ids to text. Special ids (pad, EOS) decode to nothing.
@@ -314,7 +321,8 @@ class Tokenizer:
     def tf_tokenizer(self):
         """Return an in-graph `tensorflow_text.SentencepieceTokenizer` of this model.
 
-        It is built from the same model bytes, so its ids equal `encode`'s.
+        It is built from the same model bytes and `add_bos`, so its ids
+        equal `encode`'s.
         TensorFlow Text is imported only when this is called.
 
         Returns:
@@ -323,7 +331,9 @@ class Tokenizer:
         import tensorflow as tf
         import tensorflow_text
 
-        return tensorflow_text.SentencepieceTokenizer(model=self._model_proto, out_type=tf.int32)
+        return tensorflow_text.SentencepieceTokenizer(
+            model=self._model_proto, out_type=tf.int32, add_bos=self.add_bos
+        )
 
 
 def _training_sentences(documents: Iterable[str]) -> Iterable[str]:

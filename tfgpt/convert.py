@@ -124,7 +124,8 @@ def gpt_config_from_gpt2(gpt2_config):
 def special_token_ids(tokenizer):
     """`(bos_id, eos_id)` of `tokenizer` for GPT-2's `config.json`.
 
-    GPT-2's byte-level BPE uses `<|endoftext|>` for both. A SentencePiece
+    GPT-2's byte-level BPE uses `<|endoftext|>` for both; one read from a
+    `tokenizer.json` that puts a token first (Llama 3) has that as bos. A SentencePiece
     tokenizer (`pipelines.tokenizer.Tokenizer`) has its own ids: tfgpt's
     runs train theirs with eos 2 and no bos (`bos_id` -1). An id the
     tokenizer lacks, or no tokenizer, is None.
@@ -132,7 +133,8 @@ def special_token_ids(tokenizer):
     if tokenizer is None:
         return None, None
     if isinstance(tokenizer, BytePairTokenizer):
-        return tokenizer.eos_id, tokenizer.eos_id
+        bos = tokenizer.bos_id if tokenizer.bos_id is not None else tokenizer.eos_id
+        return bos, tokenizer.eos_id
     bos, eos = tokenizer.bos_id, tokenizer.eos_id
     return (bos if bos >= 0 else None), (eos if eos >= 0 else None)
 

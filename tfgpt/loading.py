@@ -8,7 +8,10 @@ Two layouts are recognised by their `config.json`:
   `tokenizer.model` (SentencePiece, `pipelines.tokenizer`) or GPT-2's
   `vocab.json` + `merges.txt`;
 - a Hugging Face GPT-2 directory (`"model_type": "gpt2"`), read by
-  `tfgpt.convert.load_gpt2_checkpoint`.
+  `tfgpt.convert.load_gpt2_checkpoint`;
+- a Hugging Face GPT-J, GPT-Neo, GPT-NeoX, Llama, Mistral or Qwen2 directory,
+  read by `tfgpt.convert_decoders.load_hf_decoder`, with the tokenizer of
+  `load_hf_tokenizer`.
 """
 
 import dataclasses
@@ -27,7 +30,8 @@ from tfgpt.convert import load_gpt2_checkpoint
 from tfgpt.convert_decoders import ARCHITECTURES, load_hf_decoder
 from tfgpt.models.gpt import GPT
 from tfgpt.tokenizers import check_tokenizer_matches_model
-from tfgpt.tokenizers.byte_pair_tokenizer import BytePairTokenizer
+from tfgpt.tokenizers.byte_pair_tokenizer import TOKENIZER_JSON_FILE, BytePairTokenizer
+from tfgpt.tokenizers.tokenizer_json import TOKENIZER_CONFIG_FILE
 
 
 def load_model(directory, dtype=None):
@@ -41,14 +45,18 @@ def load_model(directory, dtype=None):
 
     Returns:
         The GPT with its weights, and the tokenizer (`pipelines.tokenizer.
-        Tokenizer` or `BytePairTokenizer`), or None when the directory has no
-        tokenizer file (Llama, Mistral and Qwen2 tokenizers are not read yet).
+        Tokenizer` or `BytePairTokenizer`); for a tfgpt run directory, None
+        when it has no tokenizer file. A Hugging Face directory without one
+        is a ValueError (`load_hf_tokenizer`).
     """
     config = _read_json(directory, CONFIG_FILE)
     if config.get("model_type") == "gpt2":
         return load_gpt2_checkpoint(directory, dtype=dtype)
     if config.get("model_type") in ARCHITECTURES:
-        return load_hf_decoder(directory, dtype=dtype), None
+        tokenizer = load_hf_tokenizer(directory)
+        model = load_hf_decoder(directory, dtype=dtype)
+        check_tokenizer_matches_model(tokenizer, model)
+        return model, tokenizer
     if not isinstance(config.get("model"), dict):
         raise ValueError(
             f"{os.path.join(directory, CONFIG_FILE)} is neither a tfgpt run config "
@@ -83,14 +91,62 @@ def save_model(directory, model, tokenizer=None):
 
 
 def load_tokenizer(directory):
-    """Returns the tokenizer saved in `directory`, or None if there is none."""
+    """Returns the tokenizer saved in a tfgpt run `directory`, or None if there is none."""
     if os.path.exists(os.path.join(directory, TOKENIZER_FILE)):
-        from pipelines.tokenizer import Tokenizer  # SentencePiece, from the data
-
-        return Tokenizer.load(os.path.join(directory, TOKENIZER_FILE))
+        return _sentencepiece(directory)
     if os.path.exists(os.path.join(directory, "vocab.json")):
         return BytePairTokenizer.from_directory(directory)
     return None
+
+
+def load_hf_tokenizer(directory):
+    """Returns the tokenizer of a Hugging Face decoder directory.
+
+    Picks, in order: `tokenizer.json` (byte-level BPE: GPT-2, GPT-J, GPT-Neo,
+    GPT-NeoX, Llama 3, Qwen2); `tokenizer.model` (SentencePiece: Llama 2,
+    Mistral), which is also read when the `tokenizer.json` beside it is not
+    byte-level (Llama 2 and Mistral ship both); GPT-2's `vocab.json` and
+    `merges.txt`. A SentencePiece tokenizer puts the bos id first unless
+    `tokenizer_config.json` sets `add_bos_token` false, as transformers'
+    `LlamaTokenizer` does.
+
+    Args:
+        directory: str. The checkpoint directory.
+
+    Returns:
+        A `BytePairTokenizer` or a `pipelines.tokenizer.Tokenizer`.
+    """
+    json_path = os.path.join(directory, TOKENIZER_JSON_FILE)
+    has_model = os.path.isfile(os.path.join(directory, TOKENIZER_FILE))
+    if os.path.isfile(json_path) and not (has_model and not _is_byte_level(json_path)):
+        return BytePairTokenizer.from_tokenizer_json(json_path)
+    if has_model:
+        return _sentencepiece(directory)
+    if all(os.path.isfile(os.path.join(directory, name)) for name in ("vocab.json", "merges.txt")):
+        return BytePairTokenizer.from_directory(directory)
+    raise ValueError(
+        f"No tokenizer in {directory}: expected {TOKENIZER_JSON_FILE}, {TOKENIZER_FILE}, "
+        "or vocab.json and merges.txt"
+    )
+
+
+def _is_byte_level(json_path):
+    """Whether a `tokenizer.json` decodes bytes (GPT-2's ByteLevel decoder)."""
+    with open(json_path, encoding="utf-8") as file:
+        decoder = json.load(file).get("decoder") or {}
+    return decoder.get("type") == "ByteLevel"
+
+
+def _sentencepiece(directory):
+    """`directory/tokenizer.model`, adding the bos id as `tokenizer_config.json` says."""
+    from pipelines.tokenizer import Tokenizer  # SentencePiece, from the data
+
+    config_path = os.path.join(directory, TOKENIZER_CONFIG_FILE)
+    add_bos = True
+    if os.path.isfile(config_path):
+        with open(config_path, encoding="utf-8") as file:
+            add_bos = bool(json.load(file).get("add_bos_token", True))
+    return Tokenizer.load(os.path.join(directory, TOKENIZER_FILE), add_bos=add_bos)
 
 
 def _read_json(directory, name):

@@ -1,0 +1,182 @@
+"""Reads a Hugging Face `tokenizer.json` holding a byte-level BPE tokenizer.
+
+GPT-2, GPT-J, GPT-Neo, GPT-NeoX (Pythia), Llama 3 and Qwen2 ship one. What is
+read, and what is accepted of each section (anything else is a ValueError
+naming the file and the value, never a silently different tokenizer):
+
+- `model`: type "BPE", its `vocab`, its `merges` ("a b" strings or
+  ["a", "b"] pairs) and `ignore_merges`; no dropout, no unknown token, no
+  subword prefix or suffix, no byte fallback.
+- `added_tokens`: kept whole wherever they appear in the text, mapped to
+  their ids; none may strip the spaces around it or match single words only.
+- `normalizer`: none or NFC.
+- `pre_tokenizer`: ByteLevel with its built-in GPT-2 pattern, or a Sequence
+  of a Split on GPT-2's, Llama 3's or Qwen2's pattern (behavior "Isolated")
+  and ByteLevel without its pattern; never a prefix space.
+- `post_processor`: none, ByteLevel, or TemplateProcessing whose single
+  template is special tokens around `$A` (Llama 3's `<|begin_of_text|>`), or
+  a Sequence of those.
+- `decoder`: ByteLevel.
+"""
+
+import json
+import os
+
+from tfgpt.tokenizers.byte_pair_tokenizer import (
+    GPT2_SPLIT_PATTERN,
+    SPLIT_PATTERNS,
+)
+
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+
+
+def read_tokenizer_json(path, eos_token=None):
+    """The `BytePairTokenizer` arguments of the `tokenizer.json` at `path`.
+
+    Args:
+        path: str. The `tokenizer.json` file.
+        eos_token: str or None. The end-of-text token; None reads `eos_token`
+            from `tokenizer_config.json` beside `path`, if there is one.
+
+    Returns:
+        dict of keyword arguments for `BytePairTokenizer`.
+    """
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"Tokenizer file not found: {path}")
+    with open(path, encoding="utf-8") as file:
+        text = file.read()
+    try:
+        content = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not JSON: {error}") from None
+    model = content.get("model") or {}
+    if model.get("type") != "BPE":
+        raise ValueError(
+            f"{path}: tfgpt reads byte-level BPE tokenizers, and this model is not BPE. "
+            f"Received: model type={model.get('type')!r}"
+        )
+    for key, accepted in (("dropout", (None, 0.0)), ("unk_token", (None,)),
+                          ("continuing_subword_prefix", (None, "")),
+                          ("end_of_word_suffix", (None, "")), ("byte_fallback", (None, False))):
+        if model.get(key) not in accepted:
+            raise ValueError(
+                f"{path}: tfgpt's byte-level BPE has no {key}. Received: model "
+                f"{key}={model.get(key)!r}"
+            )
+    _check_decoder(content.get("decoder"), path)
+    return dict(
+        vocabulary=model.get("vocab") or {},
+        merges=model.get("merges") or [],
+        special_tokens=_added_tokens(content.get("added_tokens") or [], path),
+        split_pattern=_split_pattern(content.get("pre_tokenizer"), path),
+        normalization=_normalization(content.get("normalizer"), path),
+        ignore_merges=bool(model.get("ignore_merges", False)),
+        **_template(content.get("post_processor"), path),
+        eos_token=eos_token if eos_token is not None else _configured_eos(path),
+        tokenizer_json=text,
+    )
+
+
+def _added_tokens(added_tokens, path):
+    special_tokens = {}
+    for token in added_tokens:
+        for key in ("single_word", "lstrip", "rstrip"):
+            if token.get(key):
+                raise ValueError(
+                    f"{path}: tfgpt keeps added tokens whole and matches them anywhere; "
+                    f"this one has {key} set. Received: added token {token.get('content')!r}"
+                )
+        special_tokens[token["content"]] = int(token["id"])
+    return special_tokens
+
+
+def _split_pattern(pre_tokenizer, path):
+    """The regular expression of a byte-level pre-tokenizer."""
+    steps = [pre_tokenizer] if pre_tokenizer else []
+    if steps and steps[0].get("type") == "Sequence":
+        steps = steps[0].get("pretokenizers") or []
+    kinds = [step.get("type") for step in steps]
+    if kinds == ["ByteLevel"] and steps[0].get("use_regex", True):
+        pattern = GPT2_SPLIT_PATTERN
+    elif kinds == ["Split", "ByteLevel"] and not steps[1].get("use_regex", True):
+        split = steps[0]
+        if split.get("behavior") != "Isolated" or split.get("invert"):
+            raise ValueError(
+                f"{path}: the Split pre-tokenizer must keep its matches as words "
+                "(behavior Isolated, invert false). Received: "
+                f"behavior={split.get('behavior')!r}, invert={split.get('invert')!r}"
+            )
+        pattern = (split.get("pattern") or {}).get("Regex")
+        if pattern not in SPLIT_PATTERNS:
+            raise ValueError(
+                f"{path}: tfgpt runs the pre-tokenizer pattern in RE2, which has no "
+                "lookahead, and supports GPT-2's, Llama 3's and Qwen2's. Received: "
+                f"pattern={split.get('pattern')!r}"
+            )
+    else:
+        raise ValueError(
+            f"{path}: the pre-tokenizer must be byte-level: ByteLevel, or Split then "
+            f"ByteLevel(use_regex=false). Received: pre_tokenizer types={kinds}"
+        )
+    if steps[-1].get("add_prefix_space"):
+        raise ValueError(
+            f"{path}: tfgpt does not add a prefix space. Received: ByteLevel "
+            "add_prefix_space=true"
+        )
+    return pattern
+
+
+def _normalization(normalizer, path):
+    if normalizer is None:
+        return None
+    if normalizer.get("type") == "NFC":
+        return "NFC"
+    raise ValueError(
+        f"{path}: the only normalizer tfgpt applies is NFC. Received: "
+        f"normalizer type={normalizer.get('type')!r}"
+    )
+
+
+def _template(post_processor, path):
+    """`prefix_ids` and `suffix_ids` from the post-processor's single template."""
+    steps = [post_processor] if post_processor else []
+    if steps and steps[0].get("type") == "Sequence":
+        steps = steps[0].get("processors") or []
+    ids = {"prefix_ids": [], "suffix_ids": []}
+    for step in steps:
+        kind = step.get("type")
+        if kind == "ByteLevel":
+            continue  # Offsets only.
+        if kind != "TemplateProcessing":
+            raise ValueError(
+                f"{path}: the post-processor must be ByteLevel or TemplateProcessing. "
+                f"Received: post_processor type={kind!r}"
+            )
+        side = "prefix_ids"
+        for piece in step.get("single") or []:
+            if "Sequence" in piece:
+                side = "suffix_ids"
+            else:
+                name = piece["SpecialToken"]["id"]
+                ids[side] += step["special_tokens"][name]["ids"]
+    return ids
+
+
+def _check_decoder(decoder, path):
+    if (decoder or {}).get("type") != "ByteLevel":
+        raise ValueError(
+            f"{path}: the decoder must be ByteLevel. Received: decoder "
+            f"type={(decoder or {}).get('type')!r}"
+        )
+
+
+def _configured_eos(path):
+    """`eos_token` of `tokenizer_config.json` beside `path`, or None."""
+    config_path = os.path.join(os.path.dirname(path), TOKENIZER_CONFIG_FILE)
+    if not os.path.isfile(config_path):
+        return None
+    with open(config_path, encoding="utf-8") as file:
+        eos_token = json.load(file).get("eos_token")
+    if isinstance(eos_token, dict):  # An AddedToken written out.
+        eos_token = eos_token.get("content")
+    return eos_token
