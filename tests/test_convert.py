@@ -361,7 +361,7 @@ def test_missing_files_are_named(tmp_path, bpe_files):
     with pytest.raises(FileNotFoundError, match="No config.json"):
         load_gpt2_checkpoint(str(tmp_path))
     random_gpt2().config.save_pretrained(str(tmp_path))
-    with pytest.raises(FileNotFoundError, match="No GPT-2 weights.*model.safetensors"):
+    with pytest.raises(FileNotFoundError, match="No weights in .*model.safetensors"):
         load_gpt2_checkpoint(str(tmp_path), load_tokenizer=False)
     with pytest.raises(FileNotFoundError, match="vocab.json"):
         load_gpt2_checkpoint(str(tmp_path))

@@ -23,12 +23,8 @@ from tests import model_contract as contract
 from tests import numpy_encoder as ref
 from tfgpt import Bert, BertBackbone, SequenceClassifier, SpanQuestionAnswerer
 from tfgpt.config import FAMILIES
-from tfgpt.convert_encoders import (
-    load_hf_encoder,
-    load_hf_weights,
-    read_safetensors,
-    save_hf_encoder,
-)
+from tfgpt.convert_encoders import load_hf_encoder, load_hf_weights, save_hf_encoder
+from tfgpt.hf_files import read_safetensors
 
 ATOL = 1e-4
 # The tiny sizes of tests/model_contract.py, so that `contract.tiny_fields()`
@@ -310,10 +306,13 @@ def test_unsupported_architecture_raises(tmp_path, field, value, message):
         load_hf_encoder(tmp_path)
 
 
-def test_directory_without_safetensors_raises(tmp_path):
+def test_directory_without_readable_weights_raises(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(bert_config().to_dict()))
+    with pytest.raises(FileNotFoundError, match=r"No weights in .*model\.safetensors.*"
+                       r"pytorch_model\.bin.*found: \['config.json'\]"):
+        load_hf_encoder(tmp_path)
     (tmp_path / "pytorch_model.bin").write_bytes(b"")
-    with pytest.raises(ValueError, match=r"No model\.safetensors.*pytorch_model\.bin"):
+    with pytest.raises(ValueError, match=r"pytorch_model\.bin: not a readable PyTorch"):
         load_hf_encoder(tmp_path)
     with pytest.raises(ValueError, match=r"cannot read .*config\.json"):
         load_hf_encoder(tmp_path / "elsewhere")

@@ -63,6 +63,7 @@ if __name__ == "__main__":
 import numpy as np  # noqa: E402
 
 from tfgpt.config import GPTConfig  # noqa: E402
+from tfgpt.hf_files import read_weights  # noqa: E402
 from tfgpt.models.adapters import save_peft  # noqa: E402
 from tfgpt.models.gpt import GPT  # noqa: E402
 from tfgpt.tokenizers import BytePairTokenizer, check_tokenizer_matches_model  # noqa: E402
@@ -293,55 +294,10 @@ def save_gpt2_checkpoint(model, directory, tokenizer=None):
 
 
 def _read_weights(directory):
-    """Returns {name: float32 array} with names stripped of `transformer.`."""
-    candidates = [
-        "model.safetensors",
-        "model.safetensors.index.json",
-        "pytorch_model.bin",
-        "pytorch_model.bin.index.json",
-    ]
-    for name in candidates:
-        path = os.path.join(directory, name)
-        if os.path.exists(path):
-            break
-    else:
-        raise FileNotFoundError(
-            f"No GPT-2 weights in {directory}: expected one of {', '.join(candidates)}"
-        )
-    if path.endswith(".index.json"):
-        with open(path) as file:
-            shards = sorted(set(json.load(file)["weight_map"].values()))
-        files = [os.path.join(directory, shard) for shard in shards]
-    else:
-        files = [path]
-    weights = {}
-    for file in files:
-        if not os.path.exists(file):
-            raise FileNotFoundError(f"Weight shard listed in {path} is missing: {file}")
-        weights.update(_read_weight_file(file))
-    stripped = {}
-    for name, value in weights.items():
-        if name.endswith(_BUFFER_SUFFIXES):
-            continue
-        name = name.removeprefix("transformer.")
-        stripped[name] = np.asarray(value, np.float32)
-    return stripped
-
-
-def _read_weight_file(path):
-    if path.endswith(".safetensors"):
-        from safetensors.numpy import load_file
-
-        return load_file(path)
-    try:
-        import torch
-    except ImportError:
-        raise ImportError(
-            f"Reading {path} needs PyTorch (pip install torch), or convert the "
-            "checkpoint to model.safetensors first"
-        ) from None
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    return {name: tensor.float().numpy() for name, tensor in state.items()}
+    """The checkpoint's `CheckpointTensors` under names stripped of `transformer.`
+    (without the attention-mask buffers some writers save)."""
+    return read_weights(directory).renamed(
+        lambda name: None if name.endswith(_BUFFER_SUFFIXES) else name.removeprefix("transformer."))
 
 
 def _assign_weights(model, weights, source):

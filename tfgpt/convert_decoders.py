@@ -43,7 +43,7 @@ import os
 import numpy as np
 
 from tfgpt.config import GPTConfig
-from tfgpt.convert_encoders import read_hf_checkpoint
+from tfgpt.hf_files import read_hf_checkpoint
 from tfgpt.models.adapters import adapted_layers, save_peft
 from tfgpt.models.gpt import GPT
 
@@ -514,9 +514,9 @@ def load_hf_decoder(directory, dtype=None):
     """A GPT with the weights of a GPT-J, GPT-NeoX, Llama, Mistral or Qwen2 checkpoint directory.
 
     Args:
-        directory: str. `config.json` and `model.safetensors` (or its
-            shards with `model.safetensors.index.json`), as transformers'
-            `save_pretrained` writes them.
+        directory: str. `config.json` and its weights (`model.safetensors`,
+            `pytorch_model.bin` or their shards, `tfgpt.hf_files`), as
+            transformers' `save_pretrained` writes them.
         dtype: optional Keras dtype policy.
     """
     hf_config, tensors = read_hf_checkpoint(directory)

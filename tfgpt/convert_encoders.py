@@ -1,7 +1,7 @@
 """BERT, ALBERT and RoBERTa checkpoints in the transformers layout, in and out of tfgpt.
 
-A transformers checkpoint directory holds `config.json` and
-`model.safetensors` (or shards listed in `model.safetensors.index.json`).
+A transformers checkpoint directory holds `config.json` and its weights
+(`model.safetensors`, `pytorch_model.bin` or their shards: `tfgpt.hf_files`).
 `load_hf_encoder` builds the matching tfgpt model from `config.json` and
 copies every tensor into it; `load_hf_weights` fills a model you built;
 `save_hf_encoder` writes a tfgpt encoder as such a directory, which
@@ -31,12 +31,12 @@ import dataclasses
 import functools
 import json
 import os
-import struct
 import warnings
 
 import numpy as np
 
 from tfgpt.config import ENCODER_FAMILIES, FAMILIES
+from tfgpt.hf_files import read_hf_checkpoint
 from tfgpt.layers.layer_norm import LayerNorm
 from tfgpt.models.encoder_backbone import EncoderBackbone
 from tfgpt.models.encoder_pretraining_model import EncoderPretrainingModel
@@ -141,89 +141,6 @@ _HF_ACTIVATIONS = {
 # What `save_hf_encoder` writes for each tfgpt activation.
 _ACTIVATIONS_TO_HF = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}
 
-_SAFETENSORS_DTYPES = {
-    "F64": np.float64,
-    "F32": np.float32,
-    "F16": np.float16,
-    "BF16": np.uint16,  # Widened to float32 below; NumPy has no bfloat16.
-    "I64": np.int64,
-    "I32": np.int32,
-}
-
-
-# ---- Files ----------------------------------------------------------------
-
-
-def read_safetensors(path):
-    """Returns the tensors of one `.safetensors` file as {name: np.ndarray}.
-
-    The format is an 8-byte little-endian header length, a JSON header of
-    {name: {dtype, shape, data_offsets}}, then the raw little-endian data
-    (https://github.com/huggingface/safetensors). Read directly so that
-    loading a checkpoint needs neither torch nor the safetensors package.
-    bfloat16 tensors are widened to float32.
-    """
-    try:
-        with open(path, "rb") as file:
-            header_length = struct.unpack("<Q", file.read(8))[0]
-            header = json.loads(file.read(header_length))
-    except (OSError, struct.error, ValueError) as error:
-        raise ValueError(f"{path}: not a readable safetensors file ({error})") from None
-    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_length)
-    tensors = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        if info["dtype"] not in _SAFETENSORS_DTYPES:
-            raise ValueError(
-                f"{path}: tensor {name!r} has unsupported dtype {info['dtype']!r}. "
-                f"Supported: {', '.join(_SAFETENSORS_DTYPES)}"
-            )
-        begin, end = info["data_offsets"]
-        if end > data.size:
-            raise ValueError(
-                f"{path}: tensor {name!r} lies beyond the end of the file (truncated?)"
-            )
-        array = np.frombuffer(data[begin:end], dtype=_SAFETENSORS_DTYPES[info["dtype"]])
-        if info["dtype"] == "BF16":
-            array = (array.astype(np.uint32) << 16).view(np.float32)
-        tensors[name] = array.reshape(info["shape"])
-    return tensors
-
-
-def read_hf_checkpoint(directory):
-    """Returns `(config, tensors)`: the parsed `config.json` and every tensor."""
-    config_path = os.path.join(directory, "config.json")
-    try:
-        with open(config_path) as file:
-            config = json.load(file)
-    except OSError as error:
-        raise ValueError(
-            f"Not a transformers checkpoint directory: cannot read {config_path} "
-            f"({error.strerror})"
-        ) from None
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{config_path}: malformed JSON ({error})") from None
-
-    single = os.path.join(directory, "model.safetensors")
-    index = os.path.join(directory, "model.safetensors.index.json")
-    if os.path.exists(single):
-        return config, read_safetensors(single)
-    if os.path.exists(index):
-        with open(index) as file:
-            shards = sorted(set(json.load(file)["weight_map"].values()))
-        tensors = {}
-        for shard in shards:
-            tensors.update(read_safetensors(os.path.join(directory, shard)))
-        return config, tensors
-    found = sorted(os.listdir(directory))
-    raise ValueError(
-        f"No model.safetensors (or model.safetensors.index.json) in {directory}; "
-        f"found: {found}. Only safetensors checkpoints are read (a pytorch_model.bin "
-        "can be re-saved with transformers' save_pretrained, which writes safetensors)."
-    )
-
-
 # ---- config.json -> tfgpt config --------------------------------------------
 
 
@@ -296,7 +213,7 @@ def load_hf_encoder(directory, family=None, head="pretraining"):
     """Builds the tfgpt model a transformers BERT/ALBERT checkpoint describes and loads it.
 
     Args:
-        directory: str. A directory with `config.json` and `model.safetensors`.
+        directory: str. A directory with `config.json` and its weights.
         family: str or None. `"bert"`, `"albert"` or `"roberta"` to insist
             on one; a checkpoint of another raises ValueError. None accepts
             each.
