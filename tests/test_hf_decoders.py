@@ -159,7 +159,10 @@ PRESET_TYPES = {"llama3.2-1b": "llama", "llama3.2-3b": "llama", "llama3.1-8b": "
                 "qwen2-7b": "qwen2", "gptj-6b": "gptj", "gpt-neo-125m": "gpt_neo",
                 "gpt-neo-1.3b": "gpt_neo", "gpt-neo-2.7b": "gpt_neo",
                 **{f"pythia-{size}": "gpt_neox"
-                   for size in ("70m", "160m", "410m", "1b", "1.4b", "2.8b", "6.9b", "12b")}}
+                   for size in ("70m", "160m", "410m", "1b", "1.4b", "2.8b", "6.9b", "12b")},
+                # The demo sizes, one per family, for pretraining from scratch.
+                "llama-demo": "llama", "mistral-demo": "mistral", "qwen2-demo": "qwen2",
+                "gptj-demo": "gptj", "gpt-neo-demo": "gpt_neo", "pythia-demo": "gpt_neox"}
 
 
 @pytest.mark.parametrize("preset", sorted(PRESET_TYPES))

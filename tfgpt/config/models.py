@@ -417,22 +417,24 @@ def _gptj(num_layers, hidden_dim, num_heads, rotary_dim, **fields):
         lm_head_bias=True, **fields))
 
 
-def _neo(num_layers, hidden_dim, num_heads):
+def _neo(num_layers, hidden_dim, num_heads, **fields):
     """GPT-Neo: GPT-2's blocks, unscaled scores, local attention (256) every second layer."""
-    return dataclasses.asdict(GPTConfig(
-        num_layers=num_layers, hidden_dim=hidden_dim, num_heads=num_heads,
-        intermediate_dim=4 * hidden_dim, max_sequence_length=2048, attention_bias=False,
-        scale_attention=False, sliding_window=256, window_layers="odd"))
+    return dataclasses.asdict(GPTConfig(**{
+        "num_layers": num_layers, "hidden_dim": hidden_dim, "num_heads": num_heads,
+        "intermediate_dim": 4 * hidden_dim, "max_sequence_length": 2048,
+        "attention_bias": False, "scale_attention": False, "sliding_window": 256,
+        "window_layers": "odd", **fields}))
 
 
-def _pythia(num_layers, hidden_dim, num_heads, vocabulary_size=50304):
+def _pythia(num_layers, hidden_dim, num_heads, vocabulary_size=50304, **fields):
     """Pythia (GPT-NeoX): two norms in parallel, rotary positions on a quarter of
     each head, exact GELU, an untied head."""
-    return dataclasses.asdict(GPTConfig(
-        num_layers=num_layers, hidden_dim=hidden_dim, num_heads=num_heads,
-        intermediate_dim=4 * hidden_dim, vocabulary_size=vocabulary_size,
-        max_sequence_length=2048, activation="gelu", positions="rotary",
-        rotary_fraction=0.25, residual="parallel_two_norms", tie_embeddings=False))
+    return dataclasses.asdict(GPTConfig(**{
+        "num_layers": num_layers, "hidden_dim": hidden_dim, "num_heads": num_heads,
+        "intermediate_dim": 4 * hidden_dim, "vocabulary_size": vocabulary_size,
+        "max_sequence_length": 2048, "activation": "gelu", "positions": "rotary",
+        "rotary_fraction": 0.25, "residual": "parallel_two_norms", "tie_embeddings": False,
+        **fields}))
 
 
 _LLAMA3 = dict(vocabulary_size=128256, max_sequence_length=131072, rope_theta=500000.0,
@@ -451,6 +453,10 @@ DECODER_PRESETS: dict[str, dict[str, typing.Any]] = {
     "llama3.2-3b": _llama(28, 3072, 24, 8, 8192, tie_embeddings=True, rope_factor=32.0,
                           **_LLAMA3),
     "llama3.1-8b": _llama(32, 4096, 32, 8, 14336, rope_factor=8.0, **_LLAMA3),
+    "mistral-demo": _llama(4, 192, 4, 2, 512, vocabulary_size=2000, max_sequence_length=128,
+                           sliding_window=32),
+    "qwen2-demo": _llama(4, 192, 4, 2, 512, vocabulary_size=2000, tie_embeddings=True,
+                         **dict(_QWEN2, max_sequence_length=128)),
     "mistral-7b": _llama(32, 4096, 32, 8, 14336, vocabulary_size=32000,
                          max_sequence_length=32768, sliding_window=4096),
     "qwen2-0.5b": _llama(24, 896, 14, 2, 4864, vocabulary_size=151936, tie_embeddings=True,
@@ -460,9 +466,12 @@ DECODER_PRESETS: dict[str, dict[str, typing.Any]] = {
     "qwen2-7b": _llama(28, 3584, 28, 4, 18944, vocabulary_size=152064, **_QWEN2),
     "gptj-demo": _gptj(4, 192, 4, 16, vocabulary_size=2000, max_sequence_length=128),
     "gptj-6b": _gptj(28, 4096, 16, 64, vocabulary_size=50400, max_sequence_length=2048),
+    "gpt-neo-demo": _neo(4, 192, 4, vocabulary_size=2000, max_sequence_length=128,
+                         sliding_window=32),
     "gpt-neo-125m": _neo(12, 768, 12),
     "gpt-neo-1.3b": _neo(24, 2048, 16),
     "gpt-neo-2.7b": _neo(32, 2560, 20),
+    "pythia-demo": _pythia(4, 192, 4, vocabulary_size=2000, max_sequence_length=128),
     "pythia-70m": _pythia(6, 512, 8),
     "pythia-160m": _pythia(12, 768, 12),
     "pythia-410m": _pythia(24, 1024, 16),
