@@ -156,7 +156,8 @@ DROPOUT = ["--schedule", "1f1b", "--dropout", "0.2"]
 # The equivalence runs, one launch per rank count (each launch pays the
 # processes' start-up once): tag -> flags.
 RUNS = {
-    0: {"global": CLIP, "global-bf16": ["--precision", "bfloat16"], "global-untied": UNTIED},
+    0: {"global": CLIP, "global-bf16": ["--precision", "bfloat16"], "global-untied": UNTIED,
+        "global-gptj": ["--gptj", *CLIP]},
     2: {
         **{name: ["--schedule", name, "--microbatches", "4", *extra, *CLIP]
            for name, extra in SCHEDULES},
@@ -168,6 +169,8 @@ RUNS = {
         "dropout-first": DROPOUT,
         # Each block's activations recomputed in the backward pass: the same training.
         "recompute": ["--schedule", "1f1b", "--recompute", *CLIP],
+        # GPT-J's shape: the head's bias on the last stage, rotary positions in each.
+        "gptj": ["--gptj", "--schedule", "1f1b", *CLIP],
     },
     # 2 data-parallel replicas x 2 stages, each pipeline on half the rows;
     # the stages' gradients averaged over the replicas, clipping by the
@@ -189,7 +192,7 @@ def pipeline_runs(tmp_path_factory):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_each_schedule_two_pipelines_recompute_and_bfloat16_match_one_process(pipeline_runs):
+def test_each_schedule_two_pipelines_recompute_bfloat16_and_gptj_match_one_process(pipeline_runs):
     runs = pipeline_runs
     oracle = runs["global"][0]
     assert oracle["norms"][0] > 0.3  # clipping acts: the norm must be global to match
@@ -200,6 +203,7 @@ def test_each_schedule_two_pipelines_recompute_and_bfloat16_match_one_process(pi
                                rtol=0, atol=2e-2)
     _assert_same_training(runs["pp2-dp2"], oracle, "2 pipelines of 2 stages")
     _assert_same_training(runs["recompute"], oracle, "1F1B with --recompute")
+    _assert_same_training(runs["gptj"], runs["global-gptj"][0], "GPT-J-shaped, 1F1B")
 
 
 @pytest.mark.distributed

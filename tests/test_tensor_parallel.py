@@ -143,6 +143,11 @@ CASES = {
 }
 
 
+# GPT-J's shape unsplit: data parallel, and ZeRO stage 3, on 2 ranks.
+GPTJ_DATA = {"dp2-gptj": ["--gptj", "--tensor", "1"],
+             "zero3-gptj": ["--gptj", "--tensor", "1", "--zero-stage", "3"]}
+
+
 @pytest.fixture(scope="module")
 def tensor_runs(tmp_path_factory):
     """The one-process oracles, `CASES` and the first dropout run: one
@@ -156,7 +161,8 @@ def tensor_runs(tmp_path_factory):
         runs.update(run_each(TRAIN_SCRIPT, directory, ranks, [
             *[(tag, "--tensor", "2", *flags) for tag, (size, flags) in CASES.items()
               if size == ranks],
-            *([("dropout-first", "--dropout", "0.2")] if ranks == 2 else [])]))
+            *([("dropout-first", "--dropout", "0.2")] if ranks == 2 else []),
+            *([(tag, *flags) for tag, flags in GPTJ_DATA.items()] if ranks == 2 else [])]))
     return runs
 
 
@@ -181,6 +187,23 @@ def test_tensor_parallel_training_matches_one_process(tensor_runs):
                                        err_msg=tag)
         assert not np.allclose(oracle["losses"][0], oracle["losses"][-1])  # it trained
         _assert_slices_join_to(results, 2, oracle, atol=1e-5)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_gptj_shape_under_data_parallelism_and_zero_3_matches_one_process(tensor_runs):
+    oracle = tensor_runs["one-gptj"][0]
+    for tag in GPTJ_DATA:
+        results = tensor_runs[tag]
+        assert len(results) == 2
+        for rank, result in enumerate(results):
+            for key in ("losses", "norms"):
+                np.testing.assert_allclose(result[key], oracle[key], rtol=0, atol=1e-5,
+                                           err_msg=f"{tag}, rank {rank}")
+            assert _count(result) == _count(oracle)
+            for index in range(_count(oracle)):
+                np.testing.assert_allclose(result[f"weight_{index}"], oracle[f"weight_{index}"],
+                                           rtol=0, atol=1e-5, err_msg=f"{tag}, rank {rank}")
 
 
 @pytest.mark.distributed

@@ -69,6 +69,9 @@ def main(argv=None):
     parser.add_argument("--clip", type=float, default=0.0)
     parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--untied", action="store_true")
+    parser.add_argument("--gptj", action="store_true",
+                        help="GPT-J's switches: parallel residual, interleaved partial rotary "
+                             "positions, no attention biases, an untied head with a bias")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--die-at-step", type=int, default=0)
     parser.add_argument("--precision", default="off")
@@ -97,10 +100,14 @@ def main(argv=None):
     keras.utils.set_random_seed(7)
     keras.config.set_dtype_policy(POLICIES[args.precision])
 
+    gptj = dict(positions="rotary", rotary_fraction=0.5, rotary_interleaved=True,
+                attention_bias=False, output_bias=False, residual="parallel",
+                tie_embeddings=False, lm_head_bias=True) if args.gptj else {}
+
     def build():
         return GPT(vocabulary_size=args.vocabulary, num_layers=args.layers, num_heads=2,
                    hidden_dim=8, intermediate_dim=12, max_sequence_length=LENGTH,
-                   dropout=args.dropout, tie_embeddings=not args.untied)
+                   dropout=args.dropout, **{"tie_embeddings": not args.untied, **gptj})
 
     with contextlib.nullcontext() if args.global_batch else distribution.scope():
         model = build() if args.global_batch else build_unallocated(build)

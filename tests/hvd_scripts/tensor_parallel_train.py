@@ -111,6 +111,9 @@ def main(argv=None):
     split_states = {id(block.attention.attention_dropout.seed_generator.state)
                     for block in model.blocks if args.dropout}
     slots = slot_variables(optimizer)
+    # Whole weights: ZeRO's gathered from the ranks' shards (stage 3 holds no other).
+    values = [np.asarray(w) for w in zero.gather_weights()] if zero else [
+        v.numpy() for v in variables]
     np.savez(
         f"{args.out}/{args.tag}-rank-{distribution.rank}.npz",
         shapes=np.array([list(v.shape) + [-1] * (3 - len(v.shape)) for v in variables]),
@@ -118,7 +121,7 @@ def main(argv=None):
         losses=np.array(losses), norms=np.array(norms),
         seeds=np.array([v.numpy() for v in states]),
         split_seeds=np.array([id(v) in split_states for v in states], bool),
-        **{f"weight_{i}": v.numpy() for i, v in enumerate(variables)},
+        **{f"weight_{i}": value for i, value in enumerate(values)},
         **{f"rule_{i}": np.array(rules[id(v)]) for i, v in enumerate(variables)
            if id(v) in rules},
     )
