@@ -35,6 +35,22 @@ def test_horovod_train_step_averages_gradients_and_keeps_ranks_equal(tmp_path, x
         np.testing.assert_array_equal(ranks[0][f"final_{index}"], ranks[1][f"final_{index}"])
     assert not np.array_equal(ranks[0]["final_0"], ranks[0]["initial_0"])
     assert not np.array_equal(ranks[0]["losses"], ranks[1]["losses"])
+    # A loss weighted per token, rank 0 with 11 learned tokens, rank 1 with 2:
+    # the global batch's (its weighted sum over its 13), not a mean of the
+    # ranks' means; one process on all 4 rows is the oracle, and so are one
+    # process's 2 micro-batches (11 and 2 tokens) and 2 towers.
+    whole = ranks[0]
+    for index in range(count):
+        for rank in ranks:
+            for name in ("weighted", "accumulated", "towers"):
+                np.testing.assert_allclose(rank[f"{name}_{index}"], whole[f"whole_{index}"],
+                                           rtol=0, atol=1e-6, err_msg=f"{name} {index}")
+    for rank in ranks:
+        for name in ("weighted", "accumulated", "towers"):
+            np.testing.assert_allclose(rank[f"{name}_losses"], whole["whole_losses"], rtol=0,
+                                       atol=1e-6, err_msg=name)
+    # The mean of the ranks' means trains otherwise: the test can tell them apart.
+    assert np.abs(whole["naive_0"] - whole["whole_0"]).max() > 1e-4
 
 
 _PRINT_CYCLE_TIME = (

@@ -112,6 +112,47 @@ class HalvingDistribution(LocalDistribution):
         return [g / 2 for g in gradients]
 
 
+def _weighted_loss(model, batch, training):
+    inputs, targets, weights = batch
+    return cross_entropy(targets, model(inputs, training=training), weights), {}
+
+
+@pytest.mark.parametrize("xla", [False, True])
+def test_tokens_of_weight_zero_get_exactly_zero_gradient(xla):
+    """Their logits' gradient is 0.0, and whatever their targets, a step
+    leaves the same weights, bit for bit (a weighted, globally normalised loss)."""
+    import keras
+
+    rng = np.random.default_rng(3)
+    inputs = rng.integers(0, 23, (2, 6)).astype("int32")
+    targets = rng.integers(0, 23, (2, 6)).astype("int32")
+    weights = (rng.random((2, 6)) < 0.5).astype("float32")
+    weights[0, 0], weights[1, 3] = 0.0, 1.0
+    other = np.where(weights == 0, (targets + 7) % 23, targets).astype("int32")
+
+    def step_with(targets):
+        keras.utils.set_random_seed(4)
+        model = GPT(vocabulary_size=23, num_layers=2, num_heads=2, hidden_dim=8,
+                    intermediate_dim=12, max_sequence_length=8)
+        optimizer = keras.optimizers.SGD(learning_rate=0.5)
+        step = TrainStep(model, optimizer, LocalDistribution(), loss_fn=_weighted_loss, xla=xla,
+                         token_weights=lambda batch: batch[2])
+        loss = float(step((inputs, targets, weights))["loss"])
+        return model, loss, [v.numpy() for v in model.trainable_variables]
+
+    model, loss, after = step_with(targets)
+    _, other_loss, other_after = step_with(other)
+    assert loss == other_loss
+    for mine, theirs in zip(after, other_after):
+        np.testing.assert_array_equal(mine, theirs)
+    logits = tf.Variable(model(inputs))
+    with tf.GradientTape() as tape:
+        loss = cross_entropy(targets, logits, weights)
+    gradient = tape.gradient(loss, logits).numpy()
+    assert np.all(gradient[weights == 0] == 0.0)
+    assert np.all(np.abs(gradient[weights == 1]).max(axis=-1) > 0)
+
+
 @pytest.mark.parametrize("xla", [False, True])
 def test_train_step_applies_the_averaged_gradients(xla):
     """One SGD-like step with the step's own gradients equals a manual update,

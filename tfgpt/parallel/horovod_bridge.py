@@ -424,6 +424,15 @@ class HorovodDistribution(LocalDistribution):
                     f"the ranks {group} of one {kind} hold different batches at step {step} "
                     f"(fingerprints {found}): they must compute on one batch")
 
+    def replica_sum(self, value):
+        """The exact sum of a float32 tensor over the data replicas, inside a step
+        (the ranks of a tensor group or a pipeline hold one batch: counted once)."""
+        if self.size == 1:
+            return value
+        return self._hvd.allreduce(value, op=self._hvd.Sum, name="replica_sum",
+                                   process_set=self.data_process_set or
+                                   self._hvd.global_process_set)
+
     def allreduce_mean(self, value):
         """Averages a tensor over all workers: a float32 one through shared
         memory when the gradients go there (microseconds, where Horovod's

@@ -77,6 +77,9 @@ class LocalDistribution:
     def allreduce_gradients(self, gradients):
         return gradients
 
+    def replica_sum(self, value):
+        return value
+
     def allreduce_mean(self, value):
         return value
 

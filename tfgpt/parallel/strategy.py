@@ -126,6 +126,10 @@ class StrategyDistribution(LocalDistribution):
         context = tf.distribute.get_replica_context()
         return context.all_reduce(tf.distribute.ReduceOp.MEAN, list(gradients))
 
+    def replica_sum(self, value):
+        """The sum of a tensor over the replicas, inside a step."""
+        return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, value)
+
     def allreduce_mean(self, value):
         """Averages a value computed on every worker (outside a step)."""
         value = tf.convert_to_tensor(value)

@@ -124,6 +124,15 @@ class TrainStep:
             `--zero-stage` 1-3), which then reduces the gradients and
             applies the update on this rank's shards; None averages whole
             gradients through `distribution`.
+        token_weights: callable `batch -> weights` (any shape) of a loss
+            that is a weighted mean over tokens (`cross_entropy` with
+            `weights`), or None. Given, the step's loss is that of the
+            global batch: the sum of its weighted token losses over its
+            weight total, counted over every replica, micro-batch and tower,
+            not a mean of their means (which would favour whoever has
+            fewer learned tokens). Each part's loss is scaled by its share
+            of the weight total times the number of parts, so that the
+            average over the parts, which the step takes, is the global one.
         compute_delay: float. Seconds each forward pass starts late, inside
             the measured compute (test-only fault injection:
             `tfgpt.resilience.faults`).
@@ -146,7 +155,7 @@ class TrainStep:
 
     def __init__(
         self, model, optimizer, distribution, loss_fn=causal_lm_loss, xla=False,
-        accumulation_steps=1, towers=1, zero=None, compute_delay=0.0,
+        accumulation_steps=1, towers=1, zero=None, compute_delay=0.0, token_weights=None,
     ):
         require_positive_int("accumulation_steps", accumulation_steps)
         require_positive_int("towers", towers)
@@ -156,6 +165,7 @@ class TrainStep:
         self.loss_fn = loss_fn
         self.accumulation_steps = accumulation_steps
         self.towers = towers
+        self.token_weights = token_weights
         self.variables = model.trainable_variables
         self.sharding = zero or Unsharded(model, optimizer, distribution)
         self.compute_delay = compute_delay
@@ -171,34 +181,37 @@ class TrainStep:
         else:
             self._step = graph_function(lambda batch: distribution.run(self._replica_step, batch))
 
-    def _towers_loss(self, batch):
+    def _scaled(self, loss, batch, factor):
+        """A weighted mean `loss` of `batch` as its share of the global one (`token_weights`)."""
+        if factor is None:
+            return loss
+        return loss * tf.reduce_sum(tf.cast(self.token_weights(batch), loss.dtype)) * factor
+
+    def _towers_loss(self, batch, factor=None):
         if self.towers == 1:
-            return self.loss_fn(self.model, batch, True)
+            loss, metrics = self.loss_fn(self.model, batch, True)
+            return self._scaled(loss, batch, factor), metrics
         # Each leaf (B, ...) -> K slices (B / K, ...); nothing joins the
         # slices' chains before the variables' gradients are summed.
         slices = [tf.split(leaf, self.towers) for leaf in tf.nest.flatten(batch)]
-        results = [
-            self.loss_fn(
-                self.model,
-                tf.nest.pack_sequence_as(batch, [parts[index] for parts in slices]),
-                True,
-            )
-            for index in range(self.towers)
-        ]
+        towers = [tf.nest.pack_sequence_as(batch, [parts[index] for parts in slices])
+                  for index in range(self.towers)]
+        results = [self.loss_fn(self.model, tower, True) for tower in towers]
         scale = 1.0 / self.towers
-        loss = tf.add_n([loss for loss, _ in results]) * scale
+        loss = tf.add_n([self._scaled(loss, tower, None if factor is None else factor * self.towers)
+                         for (loss, _), tower in zip(results, towers)]) * scale
         metrics = tf.nest.map_structure(
             lambda *values: tf.add_n(list(values)) * scale, *[m for _, m in results]
         )
         return loss, metrics
 
-    def _forward_backward_fn(self, batch):
+    def _forward_backward_fn(self, batch, factor=None):
         # Sources are the tf.Variables inside the Keras 3 variables (under
         # ZeRO stage 3, those of this rank's shards).
         sources = self.sharding.gradient_sources()
         with tf.GradientTape() as tape:
             with self.sharding.loss_scope():
-                loss, metrics = self._towers_loss(batch)
+                loss, metrics = self._towers_loss(batch, factor)
             scaled_loss = self.optimizer.scale_loss(loss)
         gradients = tape.gradient(scaled_loss, sources)
         gradients = [
@@ -207,19 +220,19 @@ class TrainStep:
         ]
         return loss, metrics, gradients
 
-    def _micro_batch(self, batch):
-        loss, metrics, gradients = self._forward_backward(batch)
+    def _micro_batch(self, batch, factor=None):
+        loss, metrics, gradients = self._forward_backward(batch, factor)
         return loss, metrics, self.sharding.reduce_micro_batch(gradients)
 
-    def _accumulate(self, batch):
+    def _accumulate(self, batch, factor=None):
         count = self.accumulation_steps
         if count == 1:
-            return self._micro_batch(batch)
+            return self._micro_batch(batch, factor)
         micro = lambda index: tf.nest.map_structure(lambda t: t[index], batch)  # noqa: E731
-        loss, metrics, gradients = self._micro_batch(micro(0))
+        loss, metrics, gradients = self._micro_batch(micro(0), factor)
 
         def add_micro_batch(index, loss, metrics, gradients):
-            next_loss, next_metrics, next_gradients = self._micro_batch(micro(index))
+            next_loss, next_metrics, next_gradients = self._micro_batch(micro(index), factor)
             return (
                 index + 1,
                 loss + next_loss,
@@ -257,7 +270,12 @@ class TrainStep:
                     after.append(tf.py_function(lambda: time.sleep(delay) or 0.0, [], tf.float32))
             with tf.control_dependencies(after):
                 batch = tf.nest.map_structure(tf.identity, batch)
-        loss, metrics, gradients = self._accumulate(batch)
+        factor = None
+        if self.token_weights is not None:  # parts: replicas x micro-batches
+            total = self.distribution.replica_sum(
+                tf.reduce_sum(tf.cast(self.token_weights(batch), tf.float32)))
+            factor = self.distribution.size * self.accumulation_steps / tf.maximum(total, 1.0)
+        loss, metrics, gradients = self._accumulate(batch, factor)
         computed = _timestamp_after(gradients) if timed else None
         # Averaged whole, or (ZeRO) reduced to this rank's shards, then applied.
         gradients = self.sharding.reduce_accumulated(gradients)
