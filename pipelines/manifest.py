@@ -22,6 +22,11 @@ Record formats (the manifest's `format`, chosen by `prepare --format`):
 - `encoder` ("tfgpt-encoder-segments", BERT/ALBERT): an Example with int64
   features `token_ids` (a document's consecutive segments back to back, at
   most `record_length = seq_len - 3` tokens) and `segment_lengths`.
+- `instructions` ("tfgpt-instruction-examples", fine-tuning a GPT): one
+  example per record, an Example with int64 features `token_ids` (the
+  prompt's tokens, the completion's, then EOS: at most `record_length =
+  seq_len + 1`) and `learned` (1 where the token is one the model learns to
+  predict, the completion's and the EOS; 0 for the prompt's).
 
 `format_version` is 1 for uncompressed packed data (what the first readers
 understood) and 2 for anything else; a reader refuses other versions.
@@ -38,10 +43,15 @@ SPLITS = ("train", "val")
 
 PACKED_FORMAT = "tfgpt-packed-tokens"
 ENCODER_FORMAT = "tfgpt-encoder-segments"
+INSTRUCTION_FORMAT = "tfgpt-instruction-examples"
 # `prepare --format` value -> the manifest's `format`.
-RECORD_FORMATS = {"packed": PACKED_FORMAT, "encoder": ENCODER_FORMAT}
+RECORD_FORMATS = {"packed": PACKED_FORMAT, "encoder": ENCODER_FORMAT,
+                  "instructions": INSTRUCTION_FORMAT}
 PACKED_FEATURE = "input_ids"
 ENCODER_FEATURES = ("token_ids", "segment_lengths")
+INSTRUCTION_FEATURES = ("token_ids", "learned")
+# `prepare --too-long`: what happens to an example longer than a record.
+TOO_LONG_CHOICES = ("drop", "truncate")
 SUPPORTED_FORMAT_VERSIONS = (1, 2)
 # The manifest's `compression`: TFRecord compression types as TensorFlow names them.
 COMPRESSIONS = (None, "GZIP")
@@ -58,7 +68,7 @@ def format_version(record_format: str, compression: Optional[str]) -> int:
     """1 for uncompressed packed data, otherwise 2.
 
     Args:
-        record_format: str. A key of `RECORD_FORMATS`: "packed" or "encoder".
+        record_format: str. A key of `RECORD_FORMATS`.
         compression: None or "GZIP".
     """
     return 1 if record_format == "packed" and compression is None else 2
@@ -66,7 +76,7 @@ def format_version(record_format: str, compression: Optional[str]) -> int:
 
 def record_feature(record_format: str) -> str:
     """The manifest's `feature`: the int64 feature holding a record's tokens."""
-    return PACKED_FEATURE if record_format == "packed" else ENCODER_FEATURES[0]
+    return PACKED_FEATURE if record_format == "packed" else "token_ids"
 
 
 class Shard(TypedDict):
@@ -98,8 +108,14 @@ class Split(TypedDict):
             dropped_tail_tokens`.
         sequences: int. Records.
         dropped_tail_tokens: int. Each chunk's partial last record (packed),
-            or records of fewer than 2 tokens (encoder).
+            records of fewer than 2 tokens (encoder), or the tokens of
+            examples dropped and the ends of examples cut (instructions).
         segments: int. Encoder data only: segments in the records.
+        learned_tokens: int. Instruction data only: targets learned (the
+            completions' tokens and their EOS; an example's first token is
+            no one's target).
+        dropped_examples, truncated_examples: int. Instruction data only:
+            examples longer than a record, left out or cut (`--too-long`).
         shards: list of `Shard`, in reading order.
     """
 
@@ -108,6 +124,9 @@ class Split(TypedDict):
     sequences: int
     dropped_tail_tokens: int
     segments: NotRequired[int]
+    learned_tokens: NotRequired[int]
+    dropped_examples: NotRequired[int]
+    truncated_examples: NotRequired[int]
     shards: List[Shard]
 
 
@@ -173,12 +192,14 @@ class Manifest(TypedDict):
     """The contents of `manifest.json`.
 
     Keys:
-        format: str. `PACKED_FORMAT` or `ENCODER_FORMAT`.
+        format: str. A value of `RECORD_FORMATS`.
         format_version: int. `format_version(record_format, compression)`.
         feature: str. `record_feature(record_format)`.
         seq_len: int. The model's context length.
-        record_length: int. `seq_len + 1` (packed; every record) or
-            `seq_len - 3` (encoder; the most tokens of a record).
+        record_length: int. `seq_len + 1` (packed: every record;
+            instructions: the most tokens of an example) or `seq_len - 3`
+            (encoder; the most tokens of a record).
+        too_long: str. Instruction data only: `--too-long`.
         compression: None or "GZIP".
         tokenizer: `TokenizerDescription`.
         splits: dict. "train" and "val", each a `Split`.
@@ -197,6 +218,7 @@ class Manifest(TypedDict):
     feature: str
     seq_len: int
     record_length: int
+    too_long: NotRequired[str]
     compression: Optional[str]
     tokenizer: TokenizerDescription
     splits: Dict[str, Split]

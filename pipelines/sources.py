@@ -31,6 +31,14 @@ Compressed files and TFDS splits cannot be cut; each lies whole in one
 chunk. Chunking depends only on the inputs and `chunk_size`, never on the
 number of worker processes.
 
+Instruction examples (`prepare --format instructions`, `text_key=None`):
+each JSON line is one example, `{"prompt": ..., "completion": ...}` (the
+completion is what the model learns) or `{"text": ...}` (all of it learned);
+the built-in corpus gives one per document, its first sentence the prompt
+and the rest the completion. A document is then `example_document(prompt,
+completion)`, which `parse_example_document` reads back. Plain text and
+TFDS inputs have no examples.
+
 Memory: documents are read one at a time; the largest document must fit.
 """
 
@@ -38,10 +46,12 @@ import dataclasses
 import glob
 import json
 import os
+import re
 from typing import Iterator, List, Optional, Sequence, Tuple
 
 from pipelines.errors import DataError
 
+_FIRST_SENTENCE = re.compile(r"(?<=[.!?:])\s+")
 JSON_LINES_SUFFIXES = (".jsonl", ".json")
 ZSTD_JSON_LINES_SUFFIXES = (".jsonl.zst", ".json.zst")
 DIRECTORY_SUFFIXES = (".txt", ".jsonl", ".jsonl.zst")
@@ -269,6 +279,49 @@ def _zstd_lines(raw_file, path: str) -> Iterator[bytes]:
         yield pending
 
 
+def example_document(prompt: str, completion: str) -> str:
+    """One instruction example as the document the pipeline carries (JSON)."""
+    return json.dumps([prompt, completion], ensure_ascii=False)
+
+
+def parse_example_document(document: str) -> Tuple[str, str]:
+    """`(prompt, completion)` of an `example_document`."""
+    prompt, completion = json.loads(document)
+    return prompt, completion
+
+
+def _example(record, where: str) -> Tuple[str, str]:
+    """`(prompt, completion)` of a JSON line's object, or DataError naming `where`."""
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: expected a JSON object, got a JSON {type(record).__name__}")
+    if "messages" in record:
+        raise DataError(
+            f'{where}: "messages" need a chat template, which pipelines.prepare does not '
+            'render; give each example as {"prompt": ..., "completion": ...}')
+    if "prompt" in record or "completion" in record:
+        prompt, completion = record.get("prompt"), record.get("completion")
+        for name, value in (("prompt", prompt), ("completion", completion)):
+            if not isinstance(value, str):
+                raise DataError(f'{where}: "{name}" must be a string, got '
+                                f"{'nothing' if value is None else type(value).__name__}")
+        if not completion.strip():
+            raise DataError(f'{where}: the "completion" is empty: nothing to learn')
+        return prompt, completion
+    if isinstance(record.get("text"), str):
+        return "", record["text"]
+    raise DataError(f'{where}: expected "prompt" and "completion" (or "text"), got the keys '
+                    f"{sorted(record)[:5]}")
+
+
+def default_corpus_example(document: str) -> Optional[Tuple[str, str]]:
+    """A built-in corpus document as an example: its first sentence the prompt,
+    the rest the completion (None for a document of one sentence)."""
+    parts = _FIRST_SENTENCE.split(document.strip(), maxsplit=1)
+    if len(parts) < 2 or not parts[1].strip():
+        return None
+    return parts[0] + "\n", parts[1]
+
+
 class SegmentReader:
     """The documents of one segment of one source.
 
@@ -281,7 +334,8 @@ class SegmentReader:
         source: Source.
         start: int. First byte offset of the segment.
         end: int or None. End offset (exclusive), None for the end.
-        text_key: str. JSON / TFDS feature holding the text.
+        text_key: str. JSON / TFDS feature holding the text; None: instruction
+            examples (see the module docstring).
         tfds_data_dir: str or None. TFDS data directory.
     """
 
@@ -299,10 +353,17 @@ class SegmentReader:
 
     def __iter__(self) -> Iterator[str]:
         kind = self.source.kind
+        if self.text_key is None and kind not in ("default", "jsonl", "jsonl.zst"):
+            raise DataError(
+                f"{self.source.path}: instruction examples come from JSON Lines files (or the "
+                "built-in corpus), not plain text or TFDS")
         if kind == "default":
             from pipelines import default_corpus
 
             texts = default_corpus.iter_documents()
+            if self.text_key is None:
+                texts = (example_document(*example) if example else ""
+                         for example in map(default_corpus_example, texts))
         elif kind == "tfds":
             texts = self._tfds_texts()
         elif kind in ("jsonl", "jsonl.zst"):
@@ -393,6 +454,9 @@ class SegmentReader:
                 raise DataError(
                     f"{where}: malformed JSON line ({error.msg}: column {error.colno})"
                 ) from None
+            if self.text_key is None:
+                yield example_document(*_example(record, where))
+                continue
             text = record.get(self.text_key) if isinstance(record, dict) else None
             if not isinstance(text, str):
                 if not isinstance(record, dict):

@@ -35,6 +35,8 @@ CASES = [
                                     "use --zero-stage 1"),
     (Run(tensor=2, zero_stage=2), "--tensor-parallel 2 does not combine with --zero-stage 2: "
                                   "use --zero-stage 1"),
+    (Run(pipeline=2, config=_config(task="sft")),
+     "--pipeline-parallel 2 runs an unweighted loss through its stages; --task sft"),
     (Run(command="fit", zero_stage=2), "model.fit averages whole gradients on every worker; "
                                        "--zero-stage 2 (sharded state) needs train_hvd.py"),
     (Run(command="finetuning", tensor=2), "--tensor-parallel 2 splits GPT pretraining "

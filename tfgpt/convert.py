@@ -36,10 +36,11 @@ def parse_args(argv=None):
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     to_tfgpt = commands.add_parser(
         "to-tfgpt", formatter_class=HelpFormatter,
-        help="a Hugging Face GPT-2 directory -> a tfgpt run directory",
-        description="Reads a Hugging Face GPT-2 directory (config.json, safetensors or\n"
-        "pytorch_model.bin, vocab.json and merges.txt) and writes a tfgpt run\n"
-        "directory (config.json, ckpt-0, the tokenizer).",
+        help="a Hugging Face decoder directory -> a tfgpt run directory",
+        description="Reads a Hugging Face GPT-2, GPT-J, GPT-Neo, GPT-NeoX, Llama, Mistral or\n"
+        "Qwen2 directory (config.json, safetensors or pytorch_model.bin, its\n"
+        "tokenizer) and writes a tfgpt run directory (config.json, ckpt-0, the\n"
+        "tokenizer), which train_hvd.py --init starts from.",
     )
     to_gpt2 = commands.add_parser(
         "to-gpt2", formatter_class=HelpFormatter,
@@ -339,8 +340,8 @@ def main(argv=None):
 
     from tfgpt import loading
 
-    if args.command == "to-tfgpt":
-        model, tokenizer = load_gpt2_checkpoint(args.source)
+    if args.command == "to-tfgpt":  # any decoder tfgpt.loading reads
+        model, tokenizer = loading.load_model(args.source)
         loading.save_model(args.output, model, tokenizer)
     else:
         model, tokenizer = loading.load_model(args.source)

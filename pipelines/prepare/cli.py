@@ -12,7 +12,7 @@ import re
 import sys
 from typing import Optional, Sequence
 
-from pipelines.manifest import RECORD_FORMATS
+from pipelines.manifest import RECORD_FORMATS, TOO_LONG_CHOICES
 from pipelines.prepare.encoding import WorkerDied
 from pipelines.prepare.run import (
     DEFAULT_SEED,
@@ -148,7 +148,17 @@ def build_argument_parser() -> argparse.ArgumentParser:
         choices=tuple(RECORD_FORMATS),
         default="packed",
         help="records: packed, one token stream cut into records (GPT); encoder, a "
-        "document's sentences grouped into records (BERT/ALBERT pretraining)",
+        "document's sentences grouped into records (BERT/ALBERT pretraining); instructions, "
+        "one prompt and completion per record, the completion learned (fine-tuning a GPT: "
+        'JSON Lines of {"prompt", "completion"} or {"text"}, or the built-in corpus; needs '
+        "--tokenizer)",
+    )
+    output.add_argument(
+        "--too-long",
+        choices=TOO_LONG_CHOICES,
+        default="drop",
+        help="--format instructions: an example longer than --seq-len + 1 tokens is dropped, "
+        "or truncated (its end cut); the summary counts both",
     )
     output.add_argument(
         "--shard-size",
@@ -268,6 +278,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             tfds=arguments.get("tfds", ()),
             tfds_data_dir=arguments.get("tfds_data_dir"),
             text_key=arguments["text_key"],
+            too_long=arguments["too_long"],
             interactive_progress=sys.stderr.isatty(),
         )
     except (ValueError, OSError, WorkerDied) as error:

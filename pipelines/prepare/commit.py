@@ -52,8 +52,10 @@ def split_summary(chunk_results: dict, split: str, record_format: str) -> Split:
         key: sum(item[key] for item in summaries)
         for key in ("documents", "tokens", "sequences", "dropped_tail_tokens")
     }
-    if record_format == "encoder":
-        counts["segments"] = sum(item.get("segments", 0) for item in summaries)
+    extra = {"encoder": ("segments",),
+             "instructions": ("learned_tokens", "dropped_examples", "truncated_examples")}
+    for key in extra.get(record_format, ()):
+        counts[key] = sum(item.get(key, 0) for item in summaries)
     return Split(
         **counts,
         shards=[
@@ -112,6 +114,7 @@ def build_manifest(
     shard_size,
     chunk_size,
     number_of_chunks,
+    too_long=None,
 ) -> Manifest:
     """The manifest's contents; `pipelines.manifest.Manifest` describes the keys."""
     splits = {split: split_summary(chunk_results, split, record_format) for split in SPLITS}
@@ -121,6 +124,7 @@ def build_manifest(
         feature=record_feature(record_format),
         seq_len=seq_len,
         record_length=record_length,
+        **({} if too_long is None else {"too_long": too_long}),
         compression=compression,
         tokenizer=_tokenizer_description(
             tokenizer, tokenizer_path, scan["sample_documents"], scan["sample_bytes"]

@@ -26,7 +26,7 @@ from pipelines.prepare.progress import Counters, Progress
 from pipelines.prepare.scan import chunk_reader, document_split, scan_chunk
 from pipelines.prepare.shard_writer import SplitWriter, split_segments
 from pipelines.prepare.tokenizer_training import load_temporary
-from pipelines.sources import chunk_input_bytes
+from pipelines.sources import chunk_input_bytes, parse_example_document
 
 # Documents are encoded in batches of this many documents or bytes, whichever
 # comes first, so SentencePiece has work and memory stays bounded.
@@ -85,13 +85,20 @@ def encode_chunk(job, chunk_index, segments, counters) -> dict:
         for split in job["splits"]
     }
     encoder = job["format"] == "encoder"
+    instructions = job["format"] == "instructions"
     threshold = job["validation_bin_threshold"]
     reader = chunk_reader(job, segments, counters)
     batch_texts, batch_splits = [], []
     state = {"documents": 0, "bytes": 0, "batch_bytes": 0}
 
     def flush():
-        if encoder:
+        if instructions:
+            examples = [parse_example_document(text) for text in batch_texts]
+            prompts = tokenizer.encode_batch([p for p, _ in examples], num_threads=job["num_threads"])
+            completions = tokenizer.encode_batch([c for _, c in examples],
+                                                 num_threads=job["num_threads"])
+            token_lists = list(zip(prompts, completions))
+        elif encoder:
             segment_lists = [split_segments(text) for text in batch_texts]
             flat = [segment for segments_of_one in segment_lists for segment in segments_of_one]
             encoded = tokenizer.encode_batch(flat, num_threads=job["num_threads"])
@@ -107,7 +114,9 @@ def encode_chunk(job, chunk_index, segments, counters) -> dict:
                 for token_ids, document_split in zip(token_lists, batch_splits)
                 if document_split == split
             ]
-            if encoder:
+            if instructions:
+                writer.add_examples(selected, tokenizer.eos_id, job["too_long"])
+            elif encoder:
                 writer.add_segmented_documents(selected)
             else:
                 writer.add_documents(selected, tokenizer.eos_id)

@@ -19,6 +19,7 @@ from pipelines.manifest import (
     MANIFEST_FILENAME,
     RECORD_FORMATS,
     SPLITS,
+    TOO_LONG_CHOICES,
     Manifest,
 )
 from pipelines.prepare import resume, tokenizer_training
@@ -101,6 +102,7 @@ def prepare(
     tfds: Sequence[str] = (),
     tfds_data_dir: Optional[str] = None,
     text_key: str = "text",
+    too_long: str = "drop",
     log: Callable[[str], None] = stderr_log,
     interactive_progress: bool = False,
 ) -> Manifest:
@@ -135,11 +137,18 @@ def prepare(
         num_threads: int or None. SentencePiece threads per worker; None uses
             the cores not taken by other workers.
         workers: int or None. Processes; None uses every core.
-        record_format: str. "packed" (GPT) or "encoder" (BERT/ALBERT).
+        record_format: str. "packed" (GPT), "encoder" (BERT/ALBERT) or
+            "instructions" (fine-tuning a GPT on prompts and completions,
+            from JSON Lines or the built-in corpus; needs `tokenizer_path`,
+            the model's tokenizer).
         compression: None or "GZIP".
         tfds: sequence of str. TensorFlow Datasets splits, `NAME[:SPLIT]`.
         tfds_data_dir: str or None. Their (already prepared) data directory.
-        text_key: str. JSON / TFDS feature holding the text.
+        text_key: str. JSON / TFDS feature holding the text (not read for
+            instructions).
+        too_long: str. Instructions: an example longer than `seq_len + 1`
+            tokens is "drop"ped or "truncate"d (its end cut); each counted
+            in the summary.
         log: callable taking a str. Progress sink (stderr by default).
         interactive_progress: bool. Redraw the progress line in place.
 
@@ -175,6 +184,15 @@ def prepare(
             f"`compression` must be None or 'GZIP'. Received: compression={compression!r}"
         )
     encoder = record_format == "encoder"
+    instructions = record_format == "instructions"
+    if too_long not in TOO_LONG_CHOICES:
+        raise ValueError(f"`too_long` must be one of {TOO_LONG_CHOICES}. "
+                         f"Received: too_long={too_long!r}")
+    if instructions and tokenizer_path is None:
+        raise ValueError(
+            "--format instructions needs --tokenizer, the tokenizer of the model to fine-tune "
+            "(e.g. its run or data directory): a tokenizer trained on the examples would "
+            "not match the model's ids")
     if chunk_size is None:
         chunk_size = max(2 * shard_size, MINIMUM_DEFAULT_CHUNK_SIZE)
     _check_byte_count("chunk_size", chunk_size)
@@ -243,12 +261,14 @@ def prepare(
             "format": record_format,
             "compression": compression,
             "text_key": text_key,
+            **({"too_long": too_long} if instructions else {}),
         }
         job = {
             "sources": [(source.path, source.kind, source.size) for source in sources],
             "output_directory": output_directory,
             "seed": seed,
-            "text_key": text_key,
+            "text_key": None if instructions else text_key,  # None: examples
+            "too_long": too_long,
             "tfds_data_dir": tfds_data_dir,
             "sample_bytes": tokenizer_sample_bytes,
             "collect_sample": tokenizer is None,
@@ -328,6 +348,7 @@ def prepare(
             shard_size=shard_size,
             chunk_size=chunk_size,
             number_of_chunks=len(chunks),
+            too_long=too_long if instructions else None,
         )
         start = time.perf_counter()
         commit(output_directory, tokenizer_temporary, tokenizer.filename, chunk_results, manifest)
@@ -352,6 +373,10 @@ def prepare(
             f"{summary['tokens']:,} tokens from {summary['documents']:,} documents, "
             f"{summary['dropped_tail_tokens']:,} tail tokens dropped"
         )
+        if "learned_tokens" in summary:
+            log(f"{split}: {summary['learned_tokens']:,} tokens learned; examples longer than "
+                f"--seq-len + 1: {summary['dropped_examples']:,} dropped, "
+                f"{summary['truncated_examples']:,} truncated (--too-long {too_long})")
     log(
         "timings: "
         + ", ".join(

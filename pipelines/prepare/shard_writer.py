@@ -15,7 +15,7 @@ from typing import List
 
 import numpy as np
 
-from pipelines.manifest import ENCODER_FEATURES, SPLITS
+from pipelines.manifest import ENCODER_FEATURES, INSTRUCTION_FEATURES, SPLITS
 from pipelines.tfrecord import (
     FRAMING_BYTES,
     TFRecordWriter,
@@ -60,7 +60,7 @@ class SplitWriter:
         shard_size: int. A shard is closed before a record would take it past
             this many (uncompressed) bytes; a shard holds at least one record.
         compression: None or "GZIP".
-        record_format: str. "packed" or "encoder".
+        record_format: str. "packed", "encoder" or "instructions".
     """
 
     def __init__(
@@ -85,6 +85,9 @@ class SplitWriter:
         self.tokens = 0
         self.segments = 0
         self.dropped_tokens = 0
+        self.learned_tokens = 0
+        self.dropped_examples = 0
+        self.truncated_examples = 0
         self._carry = np.zeros((0,), dtype=np.int64)
         self._writer = None
         self._current = None
@@ -111,6 +114,30 @@ class SplitWriter:
         for serialized in serialize_records(records):
             self._current_tokens = self.record_length
             self._write_record(serialized)
+
+    def add_examples(self, examples, eos_id: int, too_long: str) -> None:
+        """Instruction format: each `(prompt ids, completion ids)` is one record,
+        the prompt's tokens, the completion's and EOS, with `learned` 1 on the
+        last two. An example longer than a record is dropped or (`too_long`
+        "truncate") cut to one; either way counted."""
+        for prompt, completion in examples:
+            self.documents += 1
+            token_ids = [*prompt, *completion, eos_id]
+            learned = [0] * len(prompt) + [1] * (len(completion) + 1)
+            if len(token_ids) > self.record_length:
+                if too_long == "drop" or len(prompt) >= self.record_length - 1:
+                    self.dropped_examples += 1  # (cut, it would keep no learned token)
+                    self.dropped_tokens += len(token_ids)
+                    continue
+                self.truncated_examples += 1
+                self.dropped_tokens += len(token_ids) - self.record_length
+                token_ids, learned = (token_ids[:self.record_length],
+                                      learned[:self.record_length])
+            self.tokens += len(token_ids)
+            self.learned_tokens += sum(learned[1:])  # (the first token is no one's target)
+            self._current_tokens = len(token_ids)
+            self._write_record(serialize_example(
+                dict(zip(INSTRUCTION_FEATURES, (token_ids, learned)))))
 
     def add_segmented_documents(self, documents: List[List[List[int]]]) -> None:
         """Encoder format: each document is a list of segments (token lists)."""
@@ -208,4 +235,8 @@ class SplitWriter:
         }
         if self.record_format == "encoder":
             summary["segments"] = self.segments
+        if self.record_format == "instructions":
+            summary.update(learned_tokens=self.learned_tokens,
+                           dropped_examples=self.dropped_examples,
+                           truncated_examples=self.truncated_examples)
         return summary

@@ -187,6 +187,23 @@ class RunCheckpointer:
         return path
 
 
+def load_parts(directory, entries):
+    """Reads `entries` (`tfgpt.checkpoint.state.Entry`: what this rank holds,
+    sliced and sharded as it holds it) from the latest checkpoint of the run
+    `directory`, whatever layout wrote it; returns its path."""
+    path = latest(directory)
+    if path is None:
+        raise FileNotFoundError(f"no checkpoint (ckpt-N/{INDEX_FILE}) in {directory}")
+    reader = Reader(path)
+    try:
+        for entry in entries:
+            entry.variable.assign(reader.part(entry.key, entry.shape, entry.split, entry.tensor,
+                                              entry.rows and entry.rows[:2]))
+    finally:
+        reader.close()
+    return path
+
+
 def load_weights(directory, model, prefix=""):
     """Reads a whole `model`'s weights from the latest checkpoint of the run
     `directory` (any layout wrote it); returns its path.
@@ -194,16 +211,7 @@ def load_weights(directory, model, prefix=""):
     `prefix`: what the run's keys have before the model's own (an encoder
     restored from a model that holds it as `backbone/`).
     """
-    path = latest(directory)
-    if path is None:
-        raise FileNotFoundError(f"no checkpoint (ckpt-N/{INDEX_FILE}) in {directory}")
-    reader = Reader(path)
-    try:
-        for entry in model_entries(model, prefix):
-            entry.variable.assign(reader.part(entry.key, entry.shape))
-    finally:
-        reader.close()
-    return path
+    return load_parts(directory, model_entries(model, prefix))
 
 
 def save_weights(directory, model, step=0):

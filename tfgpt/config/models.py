@@ -585,7 +585,7 @@ def _import_class(path):
 FAMILIES = {
     family.name: family
     for family in (
-        Family("gpt", GPTConfig, {**GPT_PRESETS, **DECODER_PRESETS}, ("clm",),
+        Family("gpt", GPTConfig, {**GPT_PRESETS, **DECODER_PRESETS}, ("clm", "sft"),
                "tfgpt.models.gpt:GPT", "tfgpt.models.gpt:GPT"),
         Family("bert", BertConfig, BERT_PRESETS, ("mlm+nsp", "mlm"),
                "tfgpt.models.bert:BertBackbone", "tfgpt.models.bert:Bert"),

@@ -23,7 +23,7 @@ ALLREDUCE_BUCKET_MB = 3.0
 MIXED_PRECISION = ("off", "float16", "bfloat16")
 SCHEDULES = ("cosine", "linear", "constant")
 OPTIMIZERS = ("adamw", "lamb")
-TASKS = ("auto", "clm", "mlm", "mlm+nsp", "mlm+sop")
+TASKS = ("auto", "clm", "sft", "mlm", "mlm+nsp", "mlm+sop")
 MONITOR_RULES = ("on", "off")
 PREEMPTION_SIGNALS = ("TERM", "USR1", "USR2", "INT", "off")  # tfgpt.resilience.preemption
 
@@ -223,8 +223,10 @@ class TrainConfig(RunConfig):
             (`--format encoder` for the masked-LM tasks).
         preset: str. Model preset (`gpt-*`, `bert-*`, `albert-*`); model
             flags override its fields.
-        task: str. `clm` (GPT), `mlm`, `mlm+nsp` (BERT) or `mlm+sop`
-            (ALBERT); `auto` takes the preset family's pretraining task.
+        task: str. `clm` (GPT), `sft` (a GPT on instruction records,
+            `pipelines.prepare --format instructions`: the completions
+            learned), `mlm`, `mlm+nsp` (BERT) or `mlm+sop` (ALBERT); `auto`
+            takes the preset family's pretraining task.
         warmup_steps: int. Linear warmup from 0 to the peak learning rate.
         skip_corrupt: bool. Leave shards that fail their size or checksum
             check out of the run, with a warning that counts them, instead
@@ -238,6 +240,13 @@ class TrainConfig(RunConfig):
             gradients. A training-time choice the trainer applies to the
             model (`tfgpt.layers.transformer_block.set_recompute`), not part
             of the architecture; GPT models only.
+        init: str. A tfgpt GPT run directory to start from, whatever layout
+            wrote it: its architecture (`config.json`; model flags override
+            it) and the weights of its latest checkpoint; the optimizer and
+            the step start afresh. The data must be prepared with its
+            tokenizer (`pipelines.prepare --tokenizer INIT`). A Hugging Face
+            decoder directory becomes one with `python -m tfgpt.convert
+            to-tfgpt`. Ignored when `--resume` finds a checkpoint in `out`.
     """
 
     CHOICES: typing.ClassVar[dict] = {**RunConfig.CHOICES, "task": TASKS}
@@ -256,6 +265,7 @@ class TrainConfig(RunConfig):
     skip_corrupt: bool = False
     eval_batches: int = 50
     recompute: bool = False
+    init: str = ""
 
     def __post_init__(self):
         if not self.data:

@@ -23,7 +23,7 @@ import tensorflow as tf
 from tfgpt import kernels
 from tfgpt.checkpoint import latest
 from tfgpt.checkpoint import run as checkpoint_run
-from tfgpt.checkpoint.state import run_entries
+from tfgpt.checkpoint.state import model_entries, run_entries
 from tfgpt.cli import byte_size
 from tfgpt.models.gpt import GPT
 from tfgpt.observe import flops, monitor
@@ -288,6 +288,22 @@ class RunPart:
         """Makes rank 0's state its data group's: what every rank of it holds alike."""
         self.distribution.broadcast_variables(self.sharding.broadcast_set() + [self.step])
 
+    def _entries(self, counters=()):
+        coordinates, _ = checkpoint_run.layout_of(self.distribution)
+        return run_entries(self.model, self.optimizer, coordinates, self.sharding,
+                           tensor_slice=self.distribution.tensor_slice, stage=self.stage,
+                           counters=counters)
+
+    def initialize_from(self, directory):
+        """Reads the model's weights that this rank holds (not the optimizer's
+        state, nor the step) from the latest checkpoint of the run `directory`,
+        whatever layout wrote it; returns its path (`--init`)."""
+        weights = {entry.key for entry in model_entries(self.model)}
+        path = checkpoint_run.load_parts(directory, [
+            entry for entry in self._entries() if entry.key in weights and not entry.per_rank])
+        self.sharding.after_restore()
+        return path
+
     def checkpointer(self, config, data_cursor=None):
         """The run's `tfgpt.checkpoint.RunCheckpointer` in `config.out`.
 
@@ -298,14 +314,9 @@ class RunPart:
         """
         counters = [("step", self.step)] + ([("data_cursor", data_cursor)]
                                             if data_cursor is not None else [])
-
-        def entries():  # asked at every save: an elastic run's ranks change
-            coordinates, _ = checkpoint_run.layout_of(self.distribution)
-            return run_entries(self.model, self.optimizer, coordinates, self.sharding,
-                               tensor_slice=self.distribution.tensor_slice, stage=self.stage,
-                               counters=counters)
-
-        return checkpoint_run.RunCheckpointer(config.out, self.distribution, entries,
+        # The entries are asked for at every save: an elastic run's ranks change.
+        return checkpoint_run.RunCheckpointer(config.out, self.distribution,
+                                              lambda: self._entries(counters),
                                               keep=config.keep_checkpoints,
                                               after_restore=self.sharding.after_restore)
 

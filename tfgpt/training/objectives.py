@@ -1,6 +1,9 @@
 """What is trained: the model family, its data, its loss and its metrics.
 
 - `clm`: causal language modelling with a GPT on packed token records.
+- `sft`: the same on instruction records (`pipelines.prepare --format
+  instructions`), learning each example's completion alone: the loss is
+  the weighted mean over the learned tokens of the global batch.
 - `mlm`, `mlm+nsp`, `mlm+sop`: masked-LM pretraining of BERT, ALBERT or
   RoBERTa (`mlm` only) on encoder records (`pipelines.prepare --format
   encoder`), with dynamic masking and, for the last two, next-sentence or
@@ -17,8 +20,10 @@ import dataclasses
 import numpy as np
 import tensorflow as tf
 
-from pipelines import encoder_data, reader
+from pipelines import encoder_data, instruction_data, reader
+from pipelines.manifest import INSTRUCTION_FORMAT
 from tfgpt.config import FAMILIES
+from tfgpt.parallel.tensor_parallel import WHOLE
 from tfgpt.training.train_step import causal_lm_loss, cross_entropy
 
 
@@ -35,6 +40,7 @@ class CausalLanguageModelling:
 
     name = "clm"
     data_format = reader.PACKED_FORMAT
+    token_weights = None  # every target counts alike
 
     def dataset(self, data_dir, split, batch_size, **options):
         return reader.make_dataset(data_dir, split, batch_size, **options)
@@ -46,6 +52,33 @@ class CausalLanguageModelling:
         """Token counts of the targets, for the unigram baseline."""
         _, targets = batch
         return np.bincount(targets.numpy().ravel(), minlength=vocabulary_size)
+
+
+class InstructionTuning(CausalLanguageModelling):
+    """Next-token prediction on instruction records `(inputs, targets, weights)`:
+    the completions' tokens learned, the prompts' and the padding not."""
+
+    name = "sft"
+    data_format = INSTRUCTION_FORMAT
+
+    def dataset(self, data_dir, split, batch_size, **options):
+        return instruction_data.make_instruction_dataset(data_dir, split, batch_size, **options)
+
+    def loss(self, model, batch, training):
+        inputs, targets, weights = batch
+        logits = model(inputs, training=training)
+        return cross_entropy(targets, logits, weights,
+                             tensor_slice=getattr(model, "tensor_slice", WHOLE)), {}
+
+    @staticmethod
+    def token_weights(batch):
+        """The learned targets (`TrainStep`'s `token_weights`, `evaluate`'s)."""
+        return batch[2]
+
+    def evaluation_summary(self, batch, vocabulary_size):
+        """Token counts of the learned targets, for the unigram baseline."""
+        _, targets, weights = batch
+        return np.bincount(targets.numpy()[weights.numpy() > 0], minlength=vocabulary_size)
 
 
 # The label of each sentence-pair task in the encoder records (pipelines.encoder_data).
@@ -61,6 +94,7 @@ class MaskedLanguageModelling:
     """
 
     data_format = reader.ENCODER_FORMAT
+    token_weights = None  # the masked-LM loss weighs its own predictions
 
     def __init__(self, name, family):
         self.name = name
@@ -112,7 +146,11 @@ class MaskedLanguageModelling:
         return None
 
 
+# The decoder tasks, by name (the others are masked-LM tasks of a family).
+TASKS = {task.name: task for task in (CausalLanguageModelling, InstructionTuning)}
+
+
 def make_task(name, family):
-    if name == "clm":
-        return CausalLanguageModelling()
+    if name in TASKS:
+        return TASKS[name]()
     return MaskedLanguageModelling(name, family)

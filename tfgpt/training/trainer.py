@@ -8,6 +8,7 @@ optimizer, checkpoints, the loop) is `tfgpt.training.loop`.
 """
 
 import dataclasses
+import hashlib
 import math
 import os
 
@@ -27,17 +28,21 @@ from tfgpt.training.loop import TrainingDiverged
 __all__ = ["TrainingDiverged", "evaluate", "resolve_model_config", "train"]
 
 
-def resolve_model_config(train_config, model_overrides, manifest, family, saved=None):
+def resolve_model_config(train_config, model_overrides, manifest, family, saved=None,
+                         init=None):
     """Returns the model config for this run: preset, flags, the data, a checkpoint.
 
     The vocabulary size, and the pad id of a config that has one
     (RoBERTa's positions skip pads), come from the data's tokenizer unless a
     flag sets them. When resuming, the architecture comes from the checkpoint's
-    config.json and a flag that contradicts it is an error.
+    config.json and a flag that contradicts it is an error; starting from
+    `--init`, from its config.json (`init`), with the flags over it.
     """
     cls = FAMILIES[family].config_class
     data_vocabulary = manifest["tokenizer"]["vocabulary_size"]
-    if saved is not None:
+    if init is not None:
+        config = cls(**{**init, **model_overrides})
+    elif saved is not None:
         for name, value in model_overrides.items():
             if saved.get(name) != value:
                 raise ValueError(
@@ -66,6 +71,26 @@ def resolve_model_config(train_config, model_overrides, manifest, family, saved=
             f"max_sequence_length={config.max_sequence_length}"
         )
     return config
+
+
+def read_init(train_config, family, manifest):
+    """The model config (dict) of the run `--init` names, checked against
+    this run's family and its data's tokenizer."""
+    directory = train_config.init
+    config = read_config(directory)
+    found = config.get("family", "gpt")  # (tfgpt.loading.save_model writes none: a GPT)
+    if found != family or "model" not in config:
+        raise ValueError(f"--init {directory} holds a {found} model; --preset "
+                         f"{train_config.preset} trains a {family} model")
+    tokenizer = os.path.join(directory, "tokenizer.model")
+    if os.path.exists(tokenizer):
+        with open(tokenizer, "rb") as file:
+            digest = hashlib.sha256(file.read()).hexdigest()
+        if digest != manifest["tokenizer"].get("sha256"):
+            raise ValueError(
+                f"--data {train_config.data} was prepared with another tokenizer than the "
+                f"model of --init {directory}: prepare it with --tokenizer {directory}")
+    return config["model"]
 
 
 def unigram_entropy(token_counts):
@@ -102,19 +127,24 @@ def evaluate(task, eval_step, batches, distribution, max_batches, vocabulary_siz
     LM, the unigram baseline of the validation tokens).
 
     Each worker reads its own part of the split; sums and counts are
-    averaged across workers so the result weights every batch equally.
+    averaged across workers so the result weights every batch equally, or,
+    for a task whose loss is a weighted mean over tokens (`token_weights`),
+    by its weight total: the mean over every learned token.
     """
-    totals, count = {}, 0
+    totals, count, batches_read = {}, 0, 0
     counts = np.zeros(vocabulary_size, np.float64)
     for batch in batches:
         loss, metrics = eval_step(batch)
+        weight = (1.0 if task.token_weights is None
+                  else float(tf.reduce_sum(task.token_weights(batch))))
         for name, value in {"loss": loss, **metrics}.items():
-            totals[name] = totals.get(name, 0.0) + float(value)
+            totals[name] = totals.get(name, 0.0) + float(value) * weight
         summary = task.evaluation_summary(batch, vocabulary_size)
         if summary is not None:
             counts += summary
-        count += 1
-        if max_batches and count >= max_batches:
+        count += weight
+        batches_read += 1
+        if max_batches and batches_read >= max_batches:
             break
     names = sorted(totals) if totals else ["loss"]
     sums = distribution.allreduce_mean(
@@ -162,7 +192,8 @@ def train(train_config, model_overrides, distribution, callbacks=()):
         elastic_training.check_config(train_config, task.name)
     data_format = manifest.get("format", reader.PACKED_FORMAT)
     if data_format != task.data_format:
-        hint = " (prepare it with --format encoder)" if task.name != "clm" else ""
+        hint = {"clm": "", "sft": " (prepare it with --format instructions)"}.get(
+            task.name, " (prepare it with --format encoder)")
         raise ValueError(
             f"--task {task.name} reads {task.data_format!r} records, but --data "
             f"{train_config.data} holds {data_format!r} records{hint}"
@@ -174,8 +205,10 @@ def train(train_config, model_overrides, distribution, callbacks=()):
     joining = elastic and elastic_training.joins_running_job(out)
     has_checkpoint = joining or loop.existing_checkpoints(train_config)
     saved = read_config(out)["model"] if has_checkpoint else None
+    init = (read_init(train_config, family, manifest)
+            if train_config.init and not has_checkpoint else None)
     model_config = resolve_model_config(
-        train_config, model_overrides, manifest, family, saved=saved
+        train_config, model_overrides, manifest, family, saved=saved, init=init
     )
     refusals.check(refusals.Run.of(distribution.state, elastic=elastic, family=family,
                                    config=train_config))
@@ -228,6 +261,7 @@ def train(train_config, model_overrides, distribution, callbacks=()):
             accumulation_steps=train_config.accumulation_steps,
             towers=towers,
             compute_delay=loop.compute_delay(callbacks),
+            token_weights=task.token_weights,
         )
 
     # Data: each worker reads its own part, in an order fixed by the seed
@@ -308,6 +342,9 @@ def train(train_config, model_overrides, distribution, callbacks=()):
                 f"data reshuffled (no position saved for {readers} worker(s))"
             )
         report.info(f"resumed from {path} at step {int(step.numpy())}, {position}")
+    if init is not None:
+        report.info(f"initialized from {part.initialize_from(train_config.init)} (--init): "
+                    "the model's weights; the optimizer and the step start afresh")
     if iterator_checkpointable:
         checkpointer.track_input(iterator, data_index, readers)
     checkpointer.write_run_files(run_files, tokenizer_path=tokenizer_path)
@@ -409,6 +446,8 @@ def _train_elastic(train_config, distribution, report, *, part, joining, build_t
         checkpointer.restore_latest()
         report.info(f"resumed from {checkpointer.latest} at step {int(step.numpy())}, data "
                     f"position {int(data_cursor.numpy())} of the global order")
+    elif train_config.init and not joining:  # (the formations' sync gives it to the others)
+        report.info(f"initialized from {part.initialize_from(train_config.init)} (--init)")
     if not joining:
         run_files = dict(run_files, **{elastic_training.JOB_KEY: elastic_training.job()})
         checkpointer.write_run_files(run_files, tokenizer_path=tokenizer_path)

@@ -1,0 +1,185 @@
+"""Instruction records (`pipelines.prepare --format instructions`, `pipelines.instruction_data`).
+
+The oracle: the tokenizer's own ids of each prompt and completion, and the
+rule that only the completion's tokens and the EOS after it are learned.
+"""
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+from pipelines import prepare
+from pipelines.instruction_data import make_instruction_dataset
+from pipelines.reader import load_manifest
+from pipelines.tokenizer import Tokenizer
+
+WORDS = "the cat sat on a mat and ran to the big red door then it came back".split()
+
+
+def _examples(count=40):
+    rng = np.random.default_rng(0)
+    pick = lambda n: " ".join(rng.choice(WORDS, n))  # noqa: E731
+    examples = []
+    for index in range(count):
+        if index % 5 == 4:
+            examples.append({"text": pick(3)})
+        else:
+            examples.append({"prompt": pick(int(rng.integers(1, 4))),
+                             "completion": pick(int(rng.integers(1, 4)))})
+    return examples
+
+
+def _prepare(tmp_path, tiny_data, examples, *flags):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    source = tmp_path / "examples.jsonl"
+    source.write_text("".join(json.dumps(example) + "\n" for example in examples))
+    out = tmp_path / "instructions"
+    code = prepare.main(["--input", str(source), "--output", str(out), "--seq-len", "16",
+                         "--format", "instructions", "--tokenizer", str(tiny_data),
+                         "--val-fraction", "0.2", "--shard-size", "2K", *flags])
+    return code, out
+
+
+def _rows(out, split):
+    dataset = make_instruction_dataset(str(out), split, 1, shuffle=False, repeat=False)
+    return [tuple(part.numpy()[0] for part in batch) for batch in dataset]
+
+
+def test_only_the_completion_and_its_eos_are_learned(tmp_path, tiny_data):
+    examples = _examples()
+    code, out = _prepare(tmp_path, tiny_data, examples)
+    assert code == 0
+    tokenizer = Tokenizer.load(str(tiny_data / "tokenizer.model"))
+    expected, too_long = {}, 0
+    for example in examples:
+        prompt = tokenizer.encode(example.get("prompt", ""))
+        completion = tokenizer.encode(example.get("completion", example.get("text")))
+        ids = [*prompt, *completion, tokenizer.eos_id]
+        learned = [0] * len(prompt) + [1] * (len(completion) + 1)
+        if len(ids) > 17:  # --seq-len 16 + 1
+            too_long += 1
+            continue
+        expected[tuple(ids)] = learned
+    seen, learned_total = set(), 0
+    for split in ("train", "val"):
+        for inputs, targets, weights in _rows(out, split):
+            assert inputs.shape == targets.shape == weights.shape == (16,)
+            length = int(np.nonzero(weights)[0].max()) + 2  # the EOS is the last learned
+            ids = tuple(np.r_[inputs[:1], targets][:length].tolist())
+            assert ids in expected, ids
+            np.testing.assert_array_equal(weights[:length - 1], expected[ids][1:])
+            assert not weights[length - 1:].any()  # padding: never learned
+            np.testing.assert_array_equal(targets[:length - 1], ids[1:])
+            seen.add(ids)
+            learned_total += int(weights.sum())
+    assert seen == set(expected)
+    manifest = load_manifest(str(out))
+    assert manifest["format"] == "tfgpt-instruction-examples"
+    assert manifest["too_long"] == "drop"
+    assert 0 < len(expected) and sum(manifest["splits"][split]["dropped_examples"]
+                                     for split in ("train", "val")) == too_long
+    assert sum(manifest["splits"][split]["learned_tokens"] for split in ("train", "val")) == (
+        learned_total)
+
+
+def test_too_long_examples_are_dropped_or_truncated_and_counted(tmp_path, tiny_data):
+    long = {"prompt": "the cat", "completion": " ".join(WORDS * 2)}
+    examples = _examples(20) + [long] * 3
+    for mode in ("drop", "truncate"):
+        code, out = _prepare(tmp_path / mode, tiny_data, examples, "--too-long", mode)
+        assert code == 0
+        manifest = load_manifest(str(out))
+        counts = {key: sum(manifest["splits"][split][key] for split in ("train", "val"))
+                  for key in ("dropped_examples", "truncated_examples", "sequences")}
+        assert counts["dropped_examples" if mode == "drop" else "truncated_examples"] == 3
+        assert counts["truncated_examples" if mode == "drop" else "dropped_examples"] == 0
+        assert counts["sequences"] == 20 + (3 if mode == "truncate" else 0)
+        if mode == "truncate":  # a full record: every target after the prompt learned
+            full = [row for split in ("train", "val") for row in _rows(out, split)
+                    if row[2].sum() == 16 - len(Tokenizer.load(
+                        str(tiny_data / "tokenizer.model")).encode("the cat")) + 1]
+            assert len(full) == 3
+
+
+@pytest.mark.parametrize("line, message", [
+    ({"messages": [{"role": "user", "content": "hi"}]}, r'examples.jsonl:2: "messages" need'),
+    ({"prompt": "a"}, r'examples.jsonl:2: "completion" must be a string, got nothing'),
+    ({"prompt": "a", "completion": "  "}, r'examples.jsonl:2: the "completion" is empty'),
+    ({"question": "a"}, r'examples.jsonl:2: expected "prompt" and "completion" \(or "text"\)'),
+])
+def test_a_bad_example_is_one_line_naming_file_and_line(tmp_path, tiny_data, capsys, line,
+                                                        message):
+    code, _ = _prepare(tmp_path, tiny_data, [{"text": "the cat"}, line])
+    assert code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("error: ") and re.search(message, error), error
+
+
+def test_instructions_need_the_models_tokenizer_and_json_lines(tmp_path, tiny_data, capsys):
+    source = tmp_path / "examples.jsonl"
+    source.write_text(json.dumps({"text": "the cat"}) + "\n")
+    assert prepare.main(["--input", str(source), "--output", str(tmp_path / "a"), "--seq-len",
+                         "16", "--format", "instructions", "--vocab-size", "300"]) == 2
+    assert "--format instructions needs --tokenizer" in capsys.readouterr().err
+    text = tmp_path / "plain.txt"
+    text.write_text("the cat sat\n")
+    assert prepare.main(["--input", str(text), "--output", str(tmp_path / "b"), "--seq-len", "16",
+                         "--format", "instructions", "--tokenizer", str(tiny_data)]) == 2
+    assert "instruction examples come from JSON Lines files" in capsys.readouterr().err
+
+
+# ---- Fine-tuning a pretrained GPT on them (train_hvd.py --task sft --init RUN) ---------------
+
+TINY = ["--num-layers", "2", "--num-heads", "2", "--hidden-dim", "16", "--intermediate-dim",
+        "24", "--max-sequence-length", "16", "--dropout", "0.0", "--batch-size", "4",
+        "--warmup-steps", "0", "--eval-batches", "0", "--log-every", "5"]
+
+
+def _train(argv):
+    from tfgpt.parallel import LocalDistribution
+    from tfgpt.training.flags import parse_flags
+    from tfgpt.training.trainer import train
+
+    train_config, overrides = parse_flags(argv)
+    return train(train_config, overrides, LocalDistribution())
+
+
+def test_sft_starts_from_the_init_runs_weights_and_learns_the_completions(tmp_path, tiny_data):
+    from tfgpt.loading import load_model
+
+    pretrained = tmp_path / "pretrained"
+    _train(["--data", str(tiny_data), "--out", str(pretrained), "--steps", "4", *TINY])
+    # Examples whose completion follows from the prompt: "X" -> "X X".
+    words = WORDS[:8]
+    examples = [{"prompt": f"{word} {other}", "completion": f"{other} {word}"}
+                for word in words for other in words]
+    code, data = _prepare(tmp_path, tiny_data, examples)
+    assert code == 0
+    common = ["--data", str(data), "--task", "sft", "--init", str(pretrained), *TINY[-8:]]
+    # A learning rate of 1e-30: the init run's weights, and its loss on the completions.
+    still, before = _train([*common, "--out", str(tmp_path / "still"), "--steps", "1",
+                            "--learning-rate", "1e-30"])
+    loaded, _ = load_model(str(pretrained))
+    for mine, theirs in zip(still.weights, loaded.weights):
+        np.testing.assert_allclose(mine.numpy(), theirs.numpy(), rtol=1e-6, atol=1e-20)
+    tuned, after = _train([*common, "--out", str(tmp_path / "tuned"), "--steps", "40",
+                           "--learning-rate", "0.02"])
+    assert after["val_loss"] < before["val_loss"] - 0.5, (before["val_loss"], after["val_loss"])
+    config = json.loads((tmp_path / "tuned" / "config.json").read_text())
+    assert config["train"]["init"] == str(pretrained) and config["task"] == "sft"
+
+
+def test_init_is_checked_against_the_family_and_the_datas_tokenizer(tmp_path, tiny_data):
+    with pytest.raises(FileNotFoundError, match="not a tfgpt run directory"):
+        _train(["--data", str(tiny_data), "--out", str(tmp_path / "a"), "--steps", "1",
+                "--init", str(tmp_path / "nowhere"), *TINY])
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"family": "gpt", "model": {}}))
+    (other / "tokenizer.model").write_bytes(b"another tokenizer")
+    with pytest.raises(ValueError, match="prepared with another tokenizer than the model of "
+                       "--init .*: prepare it with --tokenizer"):
+        _train(["--data", str(tiny_data), "--out", str(tmp_path / "b"), "--steps", "1",
+                "--init", str(other), *TINY])
