@@ -40,16 +40,15 @@ def resolve_model_config(train_config, model_overrides, manifest, family, saved=
     """
     cls = FAMILIES[family].config_class
     data_vocabulary = manifest["tokenizer"]["vocabulary_size"]
-    if init is not None:
-        config = cls(**{**init, **model_overrides})
-    elif saved is not None:
+    if saved is not None or init is not None:
         for name, value in model_overrides.items():
-            if saved.get(name) != value:
-                raise ValueError(
-                    f"--{name.replace('_', '-')} {value} contradicts the checkpoint being "
-                    f"resumed in --out {train_config.out} ({name}={saved.get(name)!r})"
-                )
-        config = cls(**saved)
+            # A model started from --init may change its dropout, not its shapes.
+            if (saved or init).get(name) != value and (saved is not None or "dropout" not in name):
+                where = (f"the checkpoint being resumed in --out {train_config.out}"
+                         if saved is not None else f"the model of --init {train_config.init}")
+                raise ValueError(f"--{name.replace('_', '-')} {value} contradicts {where} "
+                                 f"({name}={(saved or init).get(name)!r})")
+        config = cls(**{**(saved or init), **model_overrides})
     else:
         overrides = dict(model_overrides)
         overrides.setdefault("vocabulary_size", data_vocabulary)
