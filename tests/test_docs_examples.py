@@ -4,7 +4,7 @@ The pages' ```bash and ```python blocks run in one working directory, page
 after page in the order of a reader who starts at the quick start (PAGES):
 the data a page prepares is what the next page trains on. The directory holds
 what the commands name but a fresh clone lacks, made here: a JSON Lines and a
-text corpus, a .jsonl.zst shard, SST-2 and SQuAD files, a GPT-2 and a Llama
+text corpus, prompt/completion pairs, a .jsonl.zst shard, SST-2 and SQuAD files, a GPT-2 and a Llama
 directory (tiny random transformers models), and the names `make demo` leaves
 (data/demo, runs/demo) pointing at the quick start's.
 
@@ -164,6 +164,11 @@ def workdir(tmp_path_factory):
     documents = (root / "corpus" / "patterns.txt").read_text().split("\n\n")
     (root / "corpus" / "patterns.jsonl").write_text(
         "".join(json.dumps({"text": document}) + "\n" for document in documents if document))
+    # Prompt/completion pairs in the quick start's vocabulary: a document's
+    # first words and the words after them.
+    (root / "examples.jsonl").write_text("".join(
+        json.dumps({"prompt": " ".join(words[:3]), "completion": " ".join(words[3:7])}) + "\n"
+        for words in (document.split() for document in documents) if len(words) > 3))
     repeated_letter_corpus(root / "corpus" / "letters.txt")
     (root / "pile" / "train").mkdir(parents=True)
     (root / "pile" / "train" / "00.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(

@@ -183,3 +183,15 @@ def test_init_is_checked_against_the_family_and_the_datas_tokenizer(tmp_path, ti
                        "--init .*: prepare it with --tokenizer"):
         _train(["--data", str(tiny_data), "--out", str(tmp_path / "b"), "--steps", "1",
                 "--init", str(other), *TINY])
+
+
+def test_a_split_whose_examples_are_all_too_long_says_how_to_keep_them(tmp_path, tiny_data,
+                                                                       capsys):
+    code, _ = _prepare(tmp_path, tiny_data,
+                       [{"prompt": WORDS[index], "completion": " ".join(WORDS * 3)}
+                        for index in range(12)])
+    assert code == 2
+    error = capsys.readouterr().err
+    assert "split got no example: all " in error
+    assert ("were longer than --seq-len 16 + 1 tokens; raise --seq-len, or cut them with "
+            "--too-long truncate") in error

@@ -402,6 +402,11 @@ def _check_results(
             )
     for split in splits:
         summary = split_summary(chunk_results, split, record_format)
+        if summary["sequences"] == 0 and summary.get("dropped_examples"):
+            raise DataError(
+                f"the {split} split got no example: all {summary['dropped_examples']:,} were "
+                f"longer than --seq-len {seq_len} + 1 tokens; raise --seq-len, or cut them "
+                "with --too-long truncate")
         if summary["sequences"] == 0:
             raise DataError(
                 f"corpus too small for --seq-len {seq_len} and --val-fraction "
