@@ -29,7 +29,7 @@ from tokenizers import (
 from pipelines.tokenizer import Tokenizer as SentencePieceTokenizer
 from tfgpt.loading import load_hf_tokenizer
 from tfgpt.tokenizers import BytePairTokenizer
-from tfgpt.tokenizers.byte_pair_tokenizer import (
+from tfgpt.tokenizers.tokenizer_json import (
     GPT2_SPLIT_PATTERN,
     LLAMA3_SPLIT_PATTERN,
     QWEN2_SPLIT_PATTERN,

@@ -169,6 +169,21 @@ def test_sft_starts_from_the_init_runs_weights_and_learns_the_completions(tmp_pa
     assert after["val_loss"] < before["val_loss"] - 0.5, (before["val_loss"], after["val_loss"])
     config = json.loads((tmp_path / "tuned" / "config.json").read_text())
     assert config["train"]["init"] == str(pretrained) and config["task"] == "sft"
+    # Low-rank adapters: the base weights stay the init run's, bit for bit;
+    # only the adapters train (and hold optimizer state), and they learn too.
+    from tfgpt.models.adapters import adapter_variables
+
+    adapted, with_adapters = _train([*common, "--out", str(tmp_path / "lora"), "--steps", "40",
+                                     "--learning-rate", "0.02", "--lora-rank", "4",
+                                     "--lora-targets", "query_key_value,feedforward_output"])
+    adapters = {id(v) for v in adapter_variables(adapted)}
+    assert len(adapters) == 2 * 2 * 2  # A and B, 2 projections, 2 blocks
+    assert {id(v) for v in adapted.trainable_variables} == adapters
+    base = [v for v in adapted.weights if id(v) not in adapters]
+    for mine, theirs in zip(base, loaded.weights):
+        np.testing.assert_array_equal(mine.numpy(), theirs.numpy())
+    assert with_adapters["val_loss"] < before["val_loss"] - 0.05, (
+        before["val_loss"], with_adapters["val_loss"])
 
 
 def test_init_is_checked_against_the_family_and_the_datas_tokenizer(tmp_path, tiny_data):

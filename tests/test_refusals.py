@@ -37,6 +37,8 @@ CASES = [
                                   "use --zero-stage 1"),
     (Run(pipeline=2, config=_config(task="sft")),
      "--pipeline-parallel 2 runs an unweighted loss through its stages; --task sft"),
+    (Run(tensor=2, config=_config(lora_rank=4)),
+     "--lora-rank 4 trains adapters on the whole model: use it with --tensor-parallel 1"),
     (Run(command="fit", zero_stage=2), "model.fit averages whole gradients on every worker; "
                                        "--zero-stage 2 (sharded state) needs train_hvd.py"),
     (Run(command="finetuning", tensor=2), "--tensor-parallel 2 splits GPT pretraining "

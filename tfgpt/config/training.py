@@ -247,13 +247,24 @@ class TrainConfig(RunConfig):
             tokenizer (`pipelines.prepare --tokenizer INIT`). A Hugging Face
             decoder directory becomes one with `python -m tfgpt.convert
             to-tfgpt`. Ignored when `--resume` finds a checkpoint in `out`.
+        lora_rank: int. Above 0: freeze the model and train low-rank adapters
+            of this rank on the projections `lora_targets` names
+            (`tfgpt.models.adapters`); the optimizer holds state for them
+            alone. GPT models, without tensor or pipeline parallelism.
+        lora_alpha: float. The adapters' scale is `lora_alpha / lora_rank`.
+        lora_dropout: float. Dropout on the adapters' input.
+        lora_targets: str. Comma-separated projection names (`query_key_value`,
+            `query`, `key_value`, `output_projection`, `feedforward_gate`,
+            `feedforward_intermediate`, `feedforward_output`).
     """
 
     CHOICES: typing.ClassVar[dict] = {**RunConfig.CHOICES, "task": TASKS}
     POSITIVE_INTS: typing.ClassVar[tuple] = ("steps",) + RunConfig.POSITIVE_INTS
     NON_NEGATIVE_INTS: typing.ClassVar[tuple] = (
-        ("warmup_steps",) + RunConfig.NON_NEGATIVE_INTS + ("eval_batches",)
+        ("warmup_steps",) + RunConfig.NON_NEGATIVE_INTS + ("eval_batches", "lora_rank")
     )
+    NON_NEGATIVE_NUMBERS: typing.ClassVar[tuple] = (
+        RunConfig.NON_NEGATIVE_NUMBERS + ("lora_alpha", "lora_dropout"))
     PRESETS: typing.ClassVar[tuple] = tuple(
         name for family in FAMILIES.values() for name in family.presets
     )
@@ -266,6 +277,10 @@ class TrainConfig(RunConfig):
     eval_batches: int = 50
     recompute: bool = False
     init: str = ""
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    lora_targets: str = "query_key_value,query,key_value,output_projection"
 
     def __post_init__(self):
         if not self.data:

@@ -6,6 +6,13 @@ import os
 import tensorflow as tf
 import tensorflow_text as tf_text
 
+from tfgpt.tokenizers.tokenizer_json import (
+    GPT2_SPLIT_PATTERN,
+    LLAMA3_SPLIT_PATTERN,
+    QWEN2_SPLIT_PATTERN,
+    read_tokenizer_json,
+)
+
 # Unicode White_Space, the set GPT-2's reference pre-tokenizers treat as `\s`
 # (measured against the Hugging Face tokenizer: U+001C..U+001F are not in it).
 # Spelled out because RE2's `\s` is ASCII-only.
@@ -16,19 +23,12 @@ _WHITESPACE_BUT_NEWLINES = (
 )
 _WHITESPACE = _NEWLINES + _WHITESPACE_BUT_NEWLINES
 
-# The pre-tokenizer patterns tfgpt runs, as Hugging Face's tokenizer.json
-# spells them (Oniguruma syntax). All three end in `\s+(?!\S)|\s+`, and RE2
-# has no lookahead, so those two whitespace alternatives are left out of the
-# RE2 pattern: the text between matches (`regex_split` returns it as tokens
+# The pre-tokenizer patterns tfgpt runs are those tokenizer.json spells
+# (`tfgpt.tokenizers.tokenizer_json`). All three end in `\s+(?!\S)|\s+`, and
+# RE2 has no lookahead, so those two whitespace alternatives are left out of
+# the RE2 pattern: the text between matches (`regex_split` returns it as tokens
 # too) is then a whitespace run, and `_split_trailing_whitespace` cuts it
 # where `\s+(?!\S)|\s+` would (see there).
-GPT2_SPLIT_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-LLAMA3_SPLIT_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-# Qwen2's is Llama 3's with single digits.
-QWEN2_SPLIT_PATTERN = LLAMA3_SPLIT_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}")
 
 
 class _SplitPattern:
@@ -65,7 +65,6 @@ _SPLIT_PATTERNS = {
         _WHITESPACE_BUT_NEWLINES,
     ),
 }
-SPLIT_PATTERNS = tuple(_SPLIT_PATTERNS)
 NORMALIZATIONS = (None, "NFC")
 _SPECIAL_TOKENS = ("<|endoftext|>",)
 TOKENIZER_JSON_FILE = "tokenizer.json"
@@ -285,8 +284,6 @@ class BytePairTokenizer(tf.Module):
                 `eos_token` from `tokenizer_config.json` beside it, else
                 `<|endoftext|>`.
         """
-        from tfgpt.tokenizers.tokenizer_json import read_tokenizer_json
-
         return cls(**read_tokenizer_json(path, eos_token))
 
     @classmethod

@@ -22,10 +22,17 @@ naming the file and the value, never a silently different tokenizer):
 import json
 import os
 
-from tfgpt.tokenizers.byte_pair_tokenizer import (
-    GPT2_SPLIT_PATTERN,
-    SPLIT_PATTERNS,
+# The pre-tokenizer patterns tfgpt runs, as Hugging Face's tokenizer.json
+# spells them (Oniguruma syntax); `tfgpt.tokenizers.byte_pair_tokenizer`
+# runs each in RE2.
+GPT2_SPLIT_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+LLAMA3_SPLIT_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Qwen2's is Llama 3's with single digits.
+QWEN2_SPLIT_PATTERN = LLAMA3_SPLIT_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}")
+SPLIT_PATTERNS = (GPT2_SPLIT_PATTERN, LLAMA3_SPLIT_PATTERN, QWEN2_SPLIT_PATTERN)
 
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 

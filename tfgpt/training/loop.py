@@ -25,6 +25,7 @@ from tfgpt.checkpoint import latest
 from tfgpt.checkpoint import run as checkpoint_run
 from tfgpt.checkpoint.state import model_entries, run_entries
 from tfgpt.cli import byte_size
+from tfgpt.models.adapters import adapter_variables
 from tfgpt.models.gpt import GPT
 from tfgpt.observe import flops, monitor
 from tfgpt.observe.profiling import StepProfiler
@@ -298,7 +299,10 @@ class RunPart:
         """Reads the model's weights that this rank holds (not the optimizer's
         state, nor the step) from the latest checkpoint of the run `directory`,
         whatever layout wrote it; returns its path (`--init`)."""
-        weights = {entry.key for entry in model_entries(self.model)}
+        # (the model's own weights: adapters added for this run keep their start)
+        adapters = {id(variable) for variable in adapter_variables(self.model)}
+        weights = {entry.key for entry in model_entries(self.model)
+                   if id(entry.variable) not in adapters}
         path = checkpoint_run.load_parts(directory, [
             entry for entry in self._entries() if entry.key in weights and not entry.per_rank])
         self.sharding.after_restore()

@@ -19,6 +19,7 @@ from pipelines import reader
 from tfgpt.checkpoint import read_config
 from tfgpt.config import FAMILIES, family_of_preset
 from tfgpt.layers.transformer_block import set_recompute
+from tfgpt.models.adapters import add_adapters
 from tfgpt.observe.reporter import Reporter
 from tfgpt.parallel import refusals, tensor_parallel
 from tfgpt.resilience import elastic as elastic_training
@@ -90,6 +91,15 @@ def read_init(train_config, family, manifest):
                 f"--data {train_config.data} was prepared with another tokenizer than the "
                 f"model of --init {directory}: prepare it with --tokenizer {directory}")
     return config["model"]
+
+
+def _with_adapters(model, train_config):
+    """`model`, frozen with low-rank adapters when `--lora-rank` asks for them."""
+    if train_config.lora_rank:
+        add_adapters(model, rank=train_config.lora_rank, alpha=train_config.lora_alpha,
+                     dropout=train_config.lora_dropout,
+                     targets=tuple(t for t in train_config.lora_targets.split(",") if t))
+    return model
 
 
 def unigram_entropy(token_counts):
@@ -236,7 +246,8 @@ def train(train_config, model_overrides, distribution, callbacks=()):
 
     # Model and optimizer: identical initial weights everywhere (seeded, then broadcast).
     part = loop.build_model_and_optimizer(
-        train_config, distribution, lambda: objectives.build_model(family, model_config),
+        train_config, distribution, lambda: _with_adapters(
+            objectives.build_model(family, model_config), train_config),
         train_config.steps, part=layout, sequence_length=sequence_length,
     )
     model, optimizer, step = part.model, part.optimizer, part.step
