@@ -184,6 +184,11 @@ def test_sft_starts_from_the_init_runs_weights_and_learns_the_completions(tmp_pa
         np.testing.assert_array_equal(mine.numpy(), theirs.numpy())
     assert with_adapters["val_loss"] < before["val_loss"] - 0.05, (
         before["val_loss"], with_adapters["val_loss"])
+    # The run's checkpoint loads (tfgpt.generate, export) with its adapters folded in.
+    folded, _ = load_model(str(tmp_path / "lora"))
+    ids = np.arange(12, dtype="int32").reshape(2, 6) % 50
+    np.testing.assert_allclose(folded(ids).numpy(), adapted(ids).numpy(), rtol=0, atol=1e-5)
+    assert np.abs(folded(ids).numpy() - loaded(ids).numpy()).max() > 1e-3  # not the base
 
 
 def test_init_is_checked_against_the_family_and_the_datas_tokenizer(tmp_path, tiny_data):
