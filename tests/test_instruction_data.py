@@ -215,3 +215,30 @@ def test_a_split_whose_examples_are_all_too_long_says_how_to_keep_them(tmp_path,
     assert "split got no example: all " in error
     assert ("were longer than --seq-len 16 + 1 tokens; raise --seq-len, or cut them with "
             "--too-long truncate") in error
+
+
+def test_an_adapter_run_stopped_and_resumed_equals_the_uninterrupted_one(tmp_path, tiny_data):
+    """Bit for bit: the adapters, their optimizer state and the data position."""
+    from tfgpt.parallel import LocalDistribution
+    from tfgpt.training.flags import parse_flags
+    from tfgpt.training.loop import Callback, StoppedEarly
+    from tfgpt.training.trainer import train
+
+    class StopAt(Callback):
+        def should_stop(self, step):
+            return "stopped for the test" if step == 3 else None
+
+    pretrained = tmp_path / "pretrained"
+    _train(["--data", str(tiny_data), "--out", str(pretrained), "--steps", "2", *TINY])
+    code, data = _prepare(tmp_path, tiny_data, _examples(60))
+    assert code == 0
+    common = ["--data", str(data), "--task", "sft", "--init", str(pretrained), *TINY[-8:],
+              "--steps", "6", "--learning-rate", "0.02", "--lora-rank", "2",
+              "--lora-dropout", "0.1"]
+    straight, _ = _train([*common, "--out", str(tmp_path / "straight")])
+    config, overrides = parse_flags([*common, "--out", str(tmp_path / "resumed")])
+    with pytest.raises(StoppedEarly):
+        train(config, overrides, LocalDistribution(), callbacks=[StopAt()])
+    resumed, _ = _train([*common, "--out", str(tmp_path / "resumed"), "--resume"])
+    for mine, theirs in zip(resumed.weights, straight.weights):
+        np.testing.assert_array_equal(mine.numpy(), theirs.numpy(), err_msg=mine.path)
