@@ -28,7 +28,7 @@ from tfgpt.checkpoint import (
 from tfgpt.config import GPTConfig
 from tfgpt.convert import load_gpt2_checkpoint
 from tfgpt.convert_decoders import ARCHITECTURES, load_hf_decoder
-from tfgpt.models.adapters import add_adapters, merged
+from tfgpt.models.adapters import add_run_adapters, merged
 from tfgpt.models.gpt import GPT
 from tfgpt.tokenizers import check_tokenizer_matches_model
 from tfgpt.tokenizers.byte_pair_tokenizer import TOKENIZER_JSON_FILE, BytePairTokenizer
@@ -70,10 +70,7 @@ def load_model(directory, dtype=None):
     tokenizer = load_tokenizer(directory)
     if tokenizer is not None:
         check_tokenizer_matches_model(tokenizer, model)
-    train = config.get("train") or {}
-    if train.get("lora_rank"):  # a run that trained adapters: they are folded in
-        add_adapters(model, rank=train["lora_rank"], alpha=train["lora_alpha"],
-                     targets=tuple(t for t in train["lora_targets"].split(",") if t))
+    if add_run_adapters(model, config.get("train") or {}):  # trained adapters: folded in
         load_weights(directory, model)
         return merged(model), tokenizer
     load_weights(directory, model)

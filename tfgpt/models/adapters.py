@@ -72,6 +72,17 @@ def add_adapters(model, rank=8, alpha=16.0, dropout=0.0, targets=DEFAULT_TARGETS
     return adapted
 
 
+def add_run_adapters(model, record):
+    """Adds the adapters a run's `--lora-*` settings ask for (`record`: a
+    `TrainConfig`'s fields, or the `train` record of its config.json), if any;
+    returns the adapted layers."""
+    if not record.get("lora_rank"):
+        return []
+    return add_adapters(model, rank=record["lora_rank"], alpha=record["lora_alpha"],
+                        dropout=record["lora_dropout"],
+                        targets=tuple(t for t in record["lora_targets"].split(",") if t))
+
+
 def adapted_layers(model):
     """The projections of `model` that have an adapter, in model order."""
     return [layer for _, layer in _projections(model) if layer.adapter_rank]

@@ -92,8 +92,9 @@ def shard_state(model, optimizer, distribution, variables=None):
     built on what this rank updates."""
     stage = distribution.state.zero_stage
     if not stage:
-        optimizer.build(list(model.trainable_variables if variables is None else variables))
-        return Unsharded(model, optimizer, distribution, variables)
+        sharding = Unsharded(model, optimizer, distribution, variables)
+        optimizer.build(sharding.variables)
+        return sharding
     distribution.broadcast_variables([v for v in model.variables if allocated(v)])
     return ZeroSharding(stage, model, optimizer, distribution, variables=variables)
 

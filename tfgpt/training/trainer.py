@@ -16,10 +16,10 @@ import numpy as np
 import tensorflow as tf
 
 from pipelines import reader
-from tfgpt.checkpoint import read_config
+from tfgpt.checkpoint import TOKENIZER_FILE, read_config
 from tfgpt.config import FAMILIES, family_of_preset
 from tfgpt.layers.transformer_block import set_recompute
-from tfgpt.models.adapters import add_adapters
+from tfgpt.models.adapters import add_run_adapters
 from tfgpt.observe.reporter import Reporter
 from tfgpt.parallel import refusals, tensor_parallel
 from tfgpt.resilience import elastic as elastic_training
@@ -82,7 +82,7 @@ def read_init(train_config, family, manifest):
     if found != family or "model" not in config:
         raise ValueError(f"--init {directory} holds a {found} model; --preset "
                          f"{train_config.preset} trains a {family} model")
-    tokenizer = os.path.join(directory, "tokenizer.model")
+    tokenizer = os.path.join(directory, TOKENIZER_FILE)
     if os.path.exists(tokenizer):
         with open(tokenizer, "rb") as file:
             digest = hashlib.sha256(file.read()).hexdigest()
@@ -95,10 +95,7 @@ def read_init(train_config, family, manifest):
 
 def _with_adapters(model, train_config):
     """`model`, frozen with low-rank adapters when `--lora-rank` asks for them."""
-    if train_config.lora_rank:
-        add_adapters(model, rank=train_config.lora_rank, alpha=train_config.lora_alpha,
-                     dropout=train_config.lora_dropout,
-                     targets=tuple(t for t in train_config.lora_targets.split(",") if t))
+    add_run_adapters(model, dataclasses.asdict(train_config))
     return model
 
 
@@ -306,7 +303,7 @@ def train(train_config, model_overrides, distribution, callbacks=()):
     }
     if elastic:
         metrics = _train_elastic(
-            train_config, distribution, report, part=part, joining=joining,
+            train_config, distribution, report, part=part, init=init, joining=joining,
             build_train_step=build_train_step, train_batches=train_batches, run_files=run_files,
             tokenizer_path=tokenizer_path, sequence_length=sequence_length, callbacks=callbacks,
         )
@@ -434,7 +431,7 @@ def _validate(task, train_config, distribution, report, part, model_config, metr
     return part.model, metrics
 
 
-def _train_elastic(train_config, distribution, report, *, part, joining, build_train_step,
+def _train_elastic(train_config, distribution, report, *, part, init, joining, build_train_step,
                    train_batches, run_files, tokenizer_path, sequence_length, callbacks):
     """Checkpoints and loop of an elastic run (`tfgpt.resilience.elastic`); returns the
     last metrics.
@@ -456,7 +453,7 @@ def _train_elastic(train_config, distribution, report, *, part, joining, build_t
         checkpointer.restore_latest()
         report.info(f"resumed from {checkpointer.latest} at step {int(step.numpy())}, data "
                     f"position {int(data_cursor.numpy())} of the global order")
-    elif train_config.init and not joining:  # (the formations' sync gives it to the others)
+    elif init is not None and not joining:  # (the formations' sync gives it to the others)
         report.info(f"initialized from {part.initialize_from(train_config.init)} (--init)")
     if not joining:
         run_files = dict(run_files, **{elastic_training.JOB_KEY: elastic_training.job()})
