@@ -28,7 +28,6 @@ tfgpt's data-parallel runs) bounds how fast ticks go, and pipeline runs
 lower it to 1 ms (`tfgpt.parallel.horovod_bridge`).
 """
 
-import contextlib
 import time
 
 import tensorflow as tf
@@ -36,6 +35,7 @@ import tensorflow as tf
 from tfgpt.graph_function import graph_function
 from tfgpt.parallel.pipeline_schedule import BACKWARD, FORWARD
 from tfgpt.parallel.tensor_parallel import split_rules
+from tfgpt.parallel.zero import Unsharded
 from tfgpt.training.train_step import STEP_TIMES, _dense
 
 
@@ -89,6 +89,8 @@ class PipelineTrainStep:
         self.timed = timed
         self.zero = zero if getattr(zero, "stage", 0) else None
         self.variables = stage.trainable_variables
+        # The update: ZeRO's on this rank's shards, or the stage's whole variables.
+        self._sharding = zero or Unsharded(stage.model, optimizer, variables=self.variables)
         self._index = {id(v): index for index, v in enumerate(self.variables)}
         # One compiled forward pass per virtual stage of this rank, and the update.
         self._forward_passes = {
@@ -255,11 +257,7 @@ class PipelineTrainStep:
         return loss, {}
 
     def _update_fn(self, gradients, gradient_norm):
-        if self.zero is not None:
-            return self.zero.apply(gradients, norm=gradient_norm)
-        given_norm = getattr(self.optimizer, "given_gradient_norm", None)
-        with given_norm(gradient_norm) if given_norm else contextlib.nullcontext():
-            self.optimizer.apply(gradients, self.variables)
+        return self._sharding.apply(gradients, norm=gradient_norm)
 
     def _sum_tied_table(self, gradients):
         """First and last stage add each other's token-table gradient (one alltoall)."""

@@ -141,9 +141,11 @@ class Unsharded:
     def reduce_accumulated(self, gradients):
         return self.distribution.allreduce_gradients(gradients)
 
-    def apply(self, gradients, loss_scale=None):
-        """Updates the variables; returns the global norm of the unscaled gradients."""
-        norm = self.tensor_slice.global_norm(gradients, self._split)
+    def apply(self, gradients, loss_scale=None, norm=None):
+        """Updates the variables; returns the global norm of the unscaled
+        gradients (`norm` when given: a pipeline's, over every stage)."""
+        if norm is None:
+            norm = self.tensor_slice.global_norm(gradients, self._split)
         if loss_scale is not None:
             self.optimizer.apply(gradients, self.variables)
             return norm / tf.cast(loss_scale, norm.dtype)
