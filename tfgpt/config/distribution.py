@@ -121,14 +121,17 @@ class HorovodOptions:
         check_batches: bool. Compare a fingerprint of every step's batch
             across each tensor group and pipeline (one allgather each), not
             only of the first step's: a debugging aid.
-        collective_timeout: float. Seconds the shared-memory average (data
-            parallelism on one host) waits for a peer that stopped taking
-            part before the run ends with an error naming it. Longer than
-            ranks ever drift apart: the chief alone writes the replicated
-            state of a checkpoint while the others wait (a GPT-2 XL's
-            weights and moments are 18 GB). Over Horovod's transport, Gloo's
-            transfer timeout (`HOROVOD_GLOO_TIMEOUT_SECONDS`, 30 s) ends a
-            transfer to a stopped peer.
+        collective_timeout: float. Seconds a rank waits for a peer that
+            stopped taking part (stopped, hung, cut off) before the run
+            ends with one line naming it: the shared-memory average's
+            wait (data parallelism on one host), and the watchdog of every
+            layout and transport, which ends a rank whose loop has not
+            moved for this long plus a grace of 5 s and a tenth
+            (`tfgpt.resilience.watchdog`; its heartbeats live in
+            OUT/.heartbeats). Longer than ranks ever drift apart or a step
+            ever lasts: the first step's tracing, and the chief alone
+            writing the replicated state of a checkpoint while the others
+            wait (a GPT-2 XL's weights and moments are 18 GB).
     """
 
     CHOICES = {"zero_stage": ZERO_STAGES, "pipeline_schedule": PIPELINE_SCHEDULES,

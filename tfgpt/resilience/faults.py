@@ -17,6 +17,9 @@ is RANK when the fault is due (an elastic run's ranks change):
   became RANK redoes the step and lives.
 - `STOP_AT_STEP` = "RANK:STEP": the worker of that rank stops itself
   (SIGSTOP) as it starts step STEP: a peer that hangs without dying.
+- `HANG_AT_STEP` = "RANK:STEP": the worker of that rank hangs in Python
+  as it starts step STEP (sleeps forever, its Horovod thread still
+  answering): a stuck reader or lock (`tfgpt.resilience.watchdog`).
 - `SIGNAL_AT_STEP` = "RANK:STEP": the worker of that rank sends itself
   SIGTERM as it starts step STEP: a scheduler's preemption that reaches
   one rank (`tfgpt.resilience.preemption`).
@@ -41,6 +44,7 @@ import hashlib
 import os
 import resource
 import signal
+import time
 
 import tensorflow as tf
 
@@ -51,11 +55,13 @@ SLOW_COMPUTE = "TFGPT_FAULT_SLOW_COMPUTE"
 GROW_MIB = "TFGPT_FAULT_GROW_MIB"
 KILL_AT_STEP = "TFGPT_FAULT_KILL_AT_STEP"
 STOP_AT_STEP = "TFGPT_FAULT_STOP_AT_STEP"
+HANG_AT_STEP = "TFGPT_FAULT_HANG_AT_STEP"
 SIGNAL_AT_STEP = "TFGPT_FAULT_SIGNAL_AT_STEP"
 WRITE_LIMIT_AT_STEP = "TFGPT_FAULT_WRITE_LIMIT_AT_STEP"
 RECORD_LOG = "TFGPT_DEBUG_RECORD_LOG"
 _FAULTS = {KILL_AFTER_SAVE: "kill_after_save", SLOW_COMPUTE: "slow_compute",
            GROW_MIB: "grow_mib", KILL_AT_STEP: "kill_at_step", STOP_AT_STEP: "stop_at_step",
+           HANG_AT_STEP: "hang_at_step",
            SIGNAL_AT_STEP: "signal_at_step", WRITE_LIMIT_AT_STEP: "write_limit_at_step"}
 
 
@@ -73,18 +79,19 @@ class FaultInjection(Callback):
             when a fault is due, and `allreduce_mean` is the barrier
             before the kill after a save).
         kill_after_save: str "STEP", or None.
-        slow_compute, grow_mib, kill_at_step, stop_at_step, signal_at_step,
-        write_limit_at_step: str "RANK:VALUE", or None.
+        slow_compute, grow_mib, kill_at_step, stop_at_step, hang_at_step,
+        signal_at_step, write_limit_at_step: str "RANK:VALUE", or None.
     """
 
     def __init__(self, distribution, kill_after_save=None, slow_compute=None, grow_mib=None,
-                 kill_at_step=None, stop_at_step=None, signal_at_step=None,
-                 write_limit_at_step=None):
+                 kill_at_step=None, stop_at_step=None, hang_at_step=None,
+                 signal_at_step=None, write_limit_at_step=None):
         self.distribution = distribution
         self._kill_after_save = int(kill_after_save) if kill_after_save else -1
         self._by_rank = {name: _rank_value(name, spec) for name, spec in (
             ("slow_compute", slow_compute), ("grow_mib", grow_mib),
             ("kill_at_step", kill_at_step), ("stop_at_step", stop_at_step),
+            ("hang_at_step", hang_at_step),
             ("signal_at_step", signal_at_step), ("write_limit_at_step", write_limit_at_step))}
         self._started_steps = set()  # the steps this process has started
         self._kept = []
@@ -107,6 +114,9 @@ class FaultInjection(Callback):
             os.kill(os.getpid(), signal.SIGKILL)
         if self._for_rank("stop_at_step") == step:
             os.kill(os.getpid(), signal.SIGSTOP)
+        if self._for_rank("hang_at_step") == step:
+            while True:
+                time.sleep(1.0)
         if self._for_rank("signal_at_step") == step:
             os.kill(os.getpid(), signal.SIGTERM)
         self._started_steps.add(step)

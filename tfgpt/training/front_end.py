@@ -24,8 +24,9 @@ class Command:
         core: str. `"module:function"`, called as `function(config,
             model_overrides=..., distribution=..., callbacks=...)`; the
             callbacks are the test-only faults the environment asks for
-            (`tfgpt.resilience.faults`) and the preemption signal's
-            handler (`tfgpt.resilience.preemption`).
+            (`tfgpt.resilience.faults`), the preemption signal's
+            handler (`tfgpt.resilience.preemption`) and the watchdog of
+            ranks that stop taking part (`tfgpt.resilience.watchdog`).
     """
 
     def __init__(self, flags, core):
@@ -53,6 +54,7 @@ class Command:
         from tfgpt.checkpoint.run import SaveFailed
         from tfgpt.resilience import faults
         from tfgpt.resilience.preemption import PREEMPTED_STATUS, Preemption
+        from tfgpt.resilience.watchdog import Watchdog
         from tfgpt.training.loop import StoppedEarly, TrainingDiverged
 
         module, name = self.core.split(":")
@@ -61,9 +63,10 @@ class Command:
             if callable(distribution):
                 distribution = distribution()
             with Preemption(distribution, config.preemption_signal,
-                            config.preemption_grace) as preemption:
+                            config.preemption_grace) as preemption, \
+                    Watchdog.for_run(distribution, config.out) as watchdog:
                 core(config, model_overrides=model_overrides, distribution=distribution,
-                     callbacks=[*faults.from_environment(distribution), preemption])
+                     callbacks=[*faults.from_environment(distribution), preemption, watchdog])
         except StoppedEarly as stopped:
             print(f"{stopped}; exiting with status {PREEMPTED_STATUS}: run again with --resume "
                   "to continue", file=sys.stderr)
