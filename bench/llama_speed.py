@@ -15,7 +15,6 @@ time. A bench, not a test: it prints, it asserts nothing.
 import argparse
 import dataclasses
 import os
-import platform
 import time
 
 
@@ -100,8 +99,9 @@ def main(argv=None):
     rates = {"tfgpt (TensorFlow graph)": _tfgpt_rate(config, batches, args.warmup),
              "transformers LlamaForCausalLM (torch eager)": _torch_rate(config, batches,
                                                                         args.warmup)}
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                if line.startswith("model name")), platform.processor())
+    from tfgpt.observe.flops import processor_name
+
+    cpu = processor_name()
     print(f"{args.preset}: batch {args.batch_size} x {args.sequence_length} tokens, "
           f"{args.steps} timed steps after {args.warmup}, float32, {os.cpu_count()} CPU(s): {cpu}")
     for name, (steps_per_second, parameters) in rates.items():

@@ -11,7 +11,7 @@ and one that hangs in Python has Horovod's thread answering for it: the
 watchdog (`tfgpt.resilience.watchdog`) ends the wait after
 `--collective-timeout` and its grace, or the shared-memory average's own
 wait after `--collective-timeout`, in data-parallel runs over either
-transport, ZeRO-3 and tensor-parallel runs.
+transport, ZeRO-3, tensor-parallel and pipeline runs.
 """
 
 import json
@@ -100,13 +100,16 @@ HANGS = {
         "shared-memory allreduce: rank 0 waited", "for rank 1 (pid {pid})"),
     "data-horovod-stopped": (
         ["--num-layers", "2", "--allreduce-transport", "horovod"], faults.STOP_AT_STEP, 0,
-        "watchdog: rank 1 on {host} (pid {pid}) stopped answering", "(it last "),
+        "watchdog: rank 1 on {host} (pid {pid}) stopped answering", ", said it "),
     "zero3-stopped": (
         ["--num-layers", "2", "--zero-stage", "3"], faults.STOP_AT_STEP, 0,
-        "watchdog: rank 1 on {host} (pid {pid}) stopped answering", "(it last "),
+        "watchdog: rank 1 on {host} (pid {pid}) stopped answering", ", said it "),
+    "pipeline-stopped": (
+        LAYOUTS["pipeline"], faults.STOP_AT_STEP, 0,
+        "watchdog: rank 1 on {host} (pid {pid}) stopped answering", ", said it "),
     "tensor-stopped": (
         LAYOUTS["tensor"], faults.STOP_AT_STEP, 0,
-        "watchdog: rank 1 on {host} (pid {pid}) stopped answering", "(it last "),
+        "watchdog: rank 1 on {host} (pid {pid}) stopped answering", ", said it "),
     "zero3-hung": (
         ["--num-layers", "2", "--zero-stage", "3"], faults.HANG_AT_STEP, 1,
         "watchdog: this rank on {host} (pid {pid}) is alive but behind", "it last saved step 2"),

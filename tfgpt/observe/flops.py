@@ -157,16 +157,24 @@ def cache_directory():
     return os.path.join(base, "tfgpt")
 
 
-def _processor_name():
-    """The CPU's model name (`/proc/cpuinfo`), else what `platform` knows."""
+def processor_name():
+    """The CPU's model name, with its family and model numbers where
+    `/proc/cpuinfo` has them (one name covers several generations: "AMD
+    EPYC" is Zen 3 as family 25 and Zen 5 as 26), else what `platform` knows."""
+    fields = {}
     try:
         with open("/proc/cpuinfo") as cpuinfo:
             for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                key, _, value = line.partition(":")
+                if not line.strip():
+                    break  # the first processor's fields
+                fields[key.strip()] = value.strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    if "cpu family" in fields and "model" in fields:
+        name += f" (family {fields['cpu family']}, model {fields['model']})"
+    return name
 
 
 def _machine_key(dtype, towers):
@@ -180,7 +188,7 @@ def _machine_key(dtype, towers):
         for gpu in tf.config.list_physical_devices("GPU")
     ]
     return {
-        "processor": _processor_name(), "cores": cores, "gpus": gpus,
+        "processor": processor_name(), "cores": cores, "gpus": gpus,
         "intra_op_threads": tf.config.threading.get_intra_op_parallelism_threads(),
         "inter_op_threads": tf.config.threading.get_inter_op_parallelism_threads(),
         "tensorflow": tf.__version__, "dtype": dtype, "towers": towers,

@@ -76,7 +76,7 @@ def holder(seen, me, now, timeout):
             return (f"rank {beat.rank} wrote no heartbeat in {now - beat.changed:.0f} s (it "
                     "stopped before its first step, or its host does not share --out)")
         return (f"rank {beat.rank} on {beat.host} (pid {beat.pid}) stopped answering: its "
-                f"heartbeat is {now - beat.changed:.0f} s old (it last {beat.what})")
+                f"last heartbeat, {now - beat.changed:.0f} s old, said it {beat.what}")
     known = [beat for beat in seen.values() if beat.beat is not None]
     behind = min(known, key=lambda beat: (beat.progress, beat.rank))
     if all(beat.progress == behind.progress for beat in known):
