@@ -127,10 +127,14 @@ LAYOUTS = {
     "zero-3": ["--zero-stage", "3"],
     "tensor": ["--tensor-parallel", "2"],
     "pipeline": ["--pipeline-parallel", "2", "--microbatches", "2"],
+    # Under plain horovodrun no worker joins; its checkpoints hold the
+    # position in the global record order.
+    "elastic": ["--elastic", "--commit-every", "2"],
 }
 # Resumed after the stop and compared with a straight run: the data
-# layout's transport (shared memory) and the pipeline's (Horovod) and loop.
-RESUMED = ["data", "pipeline"]
+# layout's transport (shared memory) and the pipeline's (Horovod) and
+# loop, and the elastic run's own loop and data position.
+RESUMED = ["data", "pipeline", "elastic"]
 
 
 def _flags(data, out, layout, *extra):
@@ -147,8 +151,8 @@ def test_sigterm_to_one_rank_stops_both_with_a_checkpoint_and_resume_is_bitwise(
     """Two ranks, in one launch: an --out under a file (refused); each
     layout stopped by SIGTERM to rank 1 (the second replica, slice or
     stage) as it starts a step chosen per layout; a save that fails on
-    rank 1 (its files limited to 4 KiB); two layouts straight. A second
-    launch resumes those two layouts' stopped runs, which end as the
+    rank 1 (its files limited to 4 KiB); three layouts straight. A second
+    launch resumes those three layouts' stopped runs, which end as the
     straight ones, bit for bit. (The stop's checkpoint is an ordinary save:
     the other layouts' saves resume bitwise in tests/test_resume_layouts.py,
     tests/test_zero.py and tests/test_tensor_parallel_runs.py.)"""
