@@ -131,10 +131,6 @@ LAYOUTS = {
     # position in the global record order.
     "elastic": ["--elastic", "--commit-every", "2"],
 }
-# Resumed after the stop and compared with a straight run: the data
-# layout's transport (shared memory) and the pipeline's (Horovod) and
-# loop, and the elastic run's own loop and data position.
-RESUMED = ["data", "pipeline", "elastic"]
 
 
 def _flags(data, out, layout, *extra):
@@ -151,17 +147,15 @@ def test_sigterm_to_one_rank_stops_both_with_a_checkpoint_and_resume_is_bitwise(
     """Two ranks, in one launch: an --out under a file (refused); each
     layout stopped by SIGTERM to rank 1 (the second replica, slice or
     stage) as it starts a step chosen per layout; a save that fails on
-    rank 1 (its files limited to 4 KiB); three layouts straight. A second
-    launch resumes those three layouts' stopped runs, which end as the
-    straight ones, bit for bit. (The stop's checkpoint is an ordinary save:
-    the other layouts' saves resume bitwise in tests/test_resume_layouts.py,
-    tests/test_zero.py and tests/test_tensor_parallel_runs.py.)"""
+    rank 1 (its files limited to 4 KiB); each layout straight. A second
+    launch resumes each layout's stopped run, which ends as the straight
+    one, bit for bit."""
     from tfgpt.loading import load_model
 
     (tmp_path / "file").write_text("")
     unwritable = {"argv": _flags(tiny_data, tmp_path / "file" / "run", "data"), "status": 2}
     at = {layout: random.Random(layout).randint(2, STEPS - 1) for layout in LAYOUTS}
-    straight = [_flags(tiny_data, tmp_path / layout, layout) for layout in RESUMED]
+    straight = [_flags(tiny_data, tmp_path / layout, layout) for layout in LAYOUTS]
     stopped = [{"argv": _flags(tiny_data, tmp_path / f"{layout}-stopped", layout),
                 "env": {"TFGPT_FAULT_SIGNAL_AT_STEP": f"1:{at[layout]}"},
                 "status": PREEMPTED_STATUS} for layout in LAYOUTS]
@@ -179,9 +173,6 @@ def test_sigterm_to_one_rank_stops_both_with_a_checkpoint_and_resume_is_bitwise(
         assert (run / f"ckpt-{step}" / "index.json").exists(), layout
         assert not (run / f"ckpt-{STEPS}").exists(), layout
         assert sorted(train_losses(run)) == list(range(1, step + 1)), layout
-        if layout not in RESUMED:  # the stop's checkpoint reads whole
-            stopped_model, _ = load_model(str(run))
-            assert len(stopped_model.generate([[5, 6, 7]], max_new_tokens=2)[0]) == 2
     assert "shared memory" in output  # the data-parallel runs' transport
     # The failed save: one line on each rank, naming the checkpoint; the
     # previous checkpoint is the latest and reads whole.
@@ -200,8 +191,8 @@ def test_sigterm_to_one_rank_stops_both_with_a_checkpoint_and_resume_is_bitwise(
 
     launch_each(REPO / "train_hvd.py", 2, [
         _flags(tiny_data, tmp_path / f"{layout}-stopped", layout, "--resume")
-        for layout in RESUMED])
-    for layout in RESUMED:
+        for layout in LAYOUTS])
+    for layout in LAYOUTS:
         step = at[layout]
         expected, got = tmp_path / layout, tmp_path / f"{layout}-stopped"
         assert train_losses(got) == train_losses(expected), (layout, step)
