@@ -52,6 +52,7 @@ ENCODER_FEATURES = ("token_ids", "segment_lengths")
 INSTRUCTION_FEATURES = ("token_ids", "learned")
 # `prepare --too-long`: what happens to an example longer than a record.
 TOO_LONG_CHOICES = ("drop", "truncate")
+LEARN_CHOICES = ("completions", "all")
 SUPPORTED_FORMAT_VERSIONS = (1, 2)
 # The manifest's `compression`: TFRecord compression types as TensorFlow names them.
 COMPRESSIONS = (None, "GZIP")
@@ -200,6 +201,10 @@ class Manifest(TypedDict):
             instructions: the most tokens of an example) or `seq_len - 3`
             (encoder; the most tokens of a record).
         too_long: str. Instruction data only: `--too-long`.
+        learn: str. Instruction data only: `--learn` (what is learned:
+            "completions", or "all" of every example).
+        chat_template: dict. Instruction data only: the chat template of
+            "messages" (`pipelines.chat_template.ChatTemplate.spec`).
         compression: None or "GZIP".
         tokenizer: `TokenizerDescription`.
         splits: dict. "train" and "val", each a `Split`.
@@ -219,6 +224,8 @@ class Manifest(TypedDict):
     seq_len: int
     record_length: int
     too_long: NotRequired[str]
+    learn: NotRequired[str]
+    chat_template: NotRequired[dict]
     compression: Optional[str]
     tokenizer: TokenizerDescription
     splits: Dict[str, Split]

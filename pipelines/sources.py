@@ -33,11 +33,14 @@ number of worker processes.
 
 Instruction examples (`prepare --format instructions`, `text_key=None`):
 each JSON line is one example, `{"prompt": ..., "completion": ...}` (the
-completion is what the model learns) or `{"text": ...}` (all of it learned);
-the built-in corpus gives one per document, its first sentence the prompt
-and the rest the completion. A document is then `example_document(prompt,
-completion)`, which `parse_example_document` reads back. Plain text and
-TFDS inputs have no examples.
+completion is what the model learns), `{"messages": [{"role", "content"},
+...]}` (a conversation rendered with the chat template, its assistant
+turns learned: `pipelines.chat_template`) or `{"text": ...}` (all of it
+learned); the built-in corpus gives one per document, its first sentence
+the prompt and the rest the completion. A document is then
+`example_document(pieces)`, the example's text in pieces, each learned or
+not, which `parse_example_document` reads back. Plain text and TFDS inputs
+have no examples.
 
 Memory: documents are read one at a time; the largest document must fit.
 """
@@ -279,25 +282,33 @@ def _zstd_lines(raw_file, path: str) -> Iterator[bytes]:
         yield pending
 
 
-def example_document(prompt: str, completion: str) -> str:
-    """One instruction example as the document the pipeline carries (JSON)."""
-    return json.dumps([prompt, completion], ensure_ascii=False)
+def example_document(pieces: Sequence[Tuple[str, bool]]) -> str:
+    """One instruction example, `[(text, learned)]`, as the document the pipeline carries (JSON)."""
+    return json.dumps([[text, bool(learned)] for text, learned in pieces], ensure_ascii=False)
 
 
-def parse_example_document(document: str) -> Tuple[str, str]:
-    """`(prompt, completion)` of an `example_document`."""
-    prompt, completion = json.loads(document)
-    return prompt, completion
+def parse_example_document(document: str) -> List[Tuple[str, bool]]:
+    """`[(text, learned)]` of an `example_document`."""
+    return [(text, learned) for text, learned in json.loads(document)]
 
 
-def _example(record, where: str) -> Tuple[str, str]:
-    """`(prompt, completion)` of a JSON line's object, or DataError naming `where`."""
+def _example(record, where: str, chat) -> List[Tuple[str, bool]]:
+    """`[(text, learned)]` of a JSON line's object (`chat`: the
+    `pipelines.chat_template.ChatTemplate` of "messages"), or DataError
+    naming `where`."""
+    from pipelines.chat_template import check_messages
+
     if not isinstance(record, dict):
         raise DataError(f"{where}: expected a JSON object, got a JSON {type(record).__name__}")
     if "messages" in record:
-        raise DataError(
-            f'{where}: "messages" need a chat template, which pipelines.prepare does not '
-            'render; give each example as {"prompt": ..., "completion": ...}')
+        if set(record) - {"messages"}:
+            raise DataError(f'{where}: "messages" come alone, got also '
+                            f"{sorted(set(record) - {'messages'})[:5]}")
+        messages = check_messages(record["messages"], where)
+        try:
+            return chat.segments(messages)
+        except ValueError as error:
+            raise DataError(f"{where}: {error}") from None
     if "prompt" in record or "completion" in record:
         prompt, completion = record.get("prompt"), record.get("completion")
         for name, value in (("prompt", prompt), ("completion", completion)):
@@ -306,20 +317,20 @@ def _example(record, where: str) -> Tuple[str, str]:
                                 f"{'nothing' if value is None else type(value).__name__}")
         if not completion.strip():
             raise DataError(f'{where}: the "completion" is empty: nothing to learn')
-        return prompt, completion
+        return [(prompt, False), (completion, True)]
     if isinstance(record.get("text"), str):
-        return "", record["text"]
-    raise DataError(f'{where}: expected "prompt" and "completion" (or "text"), got the keys '
-                    f"{sorted(record)[:5]}")
+        return [(record["text"], True)]
+    raise DataError(f'{where}: expected "prompt" and "completion", "messages" or "text", got '
+                    f"the keys {sorted(record)[:5]}")
 
 
-def default_corpus_example(document: str) -> Optional[Tuple[str, str]]:
+def default_corpus_example(document: str) -> Optional[List[Tuple[str, bool]]]:
     """A built-in corpus document as an example: its first sentence the prompt,
     the rest the completion (None for a document of one sentence)."""
     parts = _FIRST_SENTENCE.split(document.strip(), maxsplit=1)
     if len(parts) < 2 or not parts[1].strip():
         return None
-    return parts[0] + "\n", parts[1]
+    return [(parts[0] + "\n", False), (parts[1], True)]
 
 
 class SegmentReader:
@@ -337,16 +348,20 @@ class SegmentReader:
         text_key: str. JSON / TFDS feature holding the text; None: instruction
             examples (see the module docstring).
         tfds_data_dir: str or None. TFDS data directory.
+        chat: `pipelines.chat_template.ChatTemplate` of instruction
+            examples' "messages", or None.
     """
 
     def __init__(
-        self, source: Source, start: int, end: Optional[int], *, text_key="text", tfds_data_dir=None
+        self, source: Source, start: int, end: Optional[int], *, text_key="text",
+        tfds_data_dir=None, chat=None,
     ):
         self.source = source
         self.start = start
         self.end = end
         self.text_key = text_key
         self.tfds_data_dir = tfds_data_dir
+        self.chat = chat
         self.consumed = 0
         self.empty_documents = 0
         self.documents = 0
@@ -362,7 +377,7 @@ class SegmentReader:
 
             texts = default_corpus.iter_documents()
             if self.text_key is None:
-                texts = (example_document(*example) if example else ""
+                texts = (example_document(example) if example else ""
                          for example in map(default_corpus_example, texts))
         elif kind == "tfds":
             texts = self._tfds_texts()
@@ -455,7 +470,7 @@ class SegmentReader:
                     f"{where}: malformed JSON line ({error.msg}: column {error.colno})"
                 ) from None
             if self.text_key is None:
-                yield example_document(*_example(record, where))
+                yield example_document(_example(record, where, self.chat))
                 continue
             text = record.get(self.text_key) if isinstance(record, dict) else None
             if not isinstance(text, str):
@@ -537,13 +552,16 @@ class ChunkReader:
         tfds_data_dir: str or None.
         on_progress: callable taking an int, or None. Called with the on-disk
             bytes consumed since its previous call, at most once per document.
+        chat: `SegmentReader`'s.
     """
 
-    def __init__(self, sources, segments, *, text_key="text", tfds_data_dir=None, on_progress=None):
+    def __init__(self, sources, segments, *, text_key="text", tfds_data_dir=None, on_progress=None,
+                 chat=None):
         self.sources = sources
         self.segments = segments
         self.text_key = text_key
         self.tfds_data_dir = tfds_data_dir
+        self.chat = chat
         self.on_progress = on_progress
         self.empty_documents = 0
         self.documents_per_source = {}
@@ -556,6 +574,7 @@ class ChunkReader:
                 end,
                 text_key=self.text_key,
                 tfds_data_dir=self.tfds_data_dir,
+                chat=self.chat,
             )
             reported = 0
             for document in reader:

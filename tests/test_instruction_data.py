@@ -104,10 +104,17 @@ def test_too_long_examples_are_dropped_or_truncated_and_counted(tmp_path, tiny_d
 
 
 @pytest.mark.parametrize("line, message", [
-    ({"messages": [{"role": "user", "content": "hi"}]}, r'examples.jsonl:2: "messages" need'),
+    ({"messages": [{"role": "user", "content": "hi"}]},
+     r"examples.jsonl:2: no assistant turn: nothing to learn"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "yo"}]},
+     r"examples.jsonl:2: message 2 has the role 'bot'; expected one of system, user, assistant"),
+    ({"messages": [{"role": "user", "content": 3}]},
+     r"""examples.jsonl:2: message 1's "content" must be a string, got int"""),
     ({"prompt": "a"}, r'examples.jsonl:2: "completion" must be a string, got nothing'),
     ({"prompt": "a", "completion": "  "}, r'examples.jsonl:2: the "completion" is empty'),
-    ({"question": "a"}, r'examples.jsonl:2: expected "prompt" and "completion" \(or "text"\)'),
+    ({"question": "a"},
+     r'examples.jsonl:2: expected "prompt" and "completion", "messages" or "text", got the keys '
+     r"\['question'\]"),
 ])
 def test_a_bad_example_is_one_line_naming_file_and_line(tmp_path, tiny_data, capsys, line,
                                                         message):
@@ -128,6 +135,155 @@ def test_instructions_need_the_models_tokenizer_and_json_lines(tmp_path, tiny_da
     assert prepare.main(["--input", str(text), "--output", str(tmp_path / "b"), "--seq-len", "16",
                          "--format", "instructions", "--tokenizer", str(tiny_data)]) == 2
     assert "instruction examples come from JSON Lines files" in capsys.readouterr().err
+
+
+# ---- Conversations ({"messages"}) and the chat template ----------------------------------------
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "the cat"}, {"role": "assistant", "content": "sat on a mat"}],
+    [{"role": "system", "content": "red"}, {"role": "user", "content": "the"},
+     {"role": "assistant", "content": "cat"}, {"role": "user", "content": "and"},
+     {"role": "assistant", "content": "ran to the door"}],
+]
+
+
+def _chatml_pieces(messages):
+    """ChatML by hand: each turn `<|im_start|>ROLE\\nCONTENT<|im_end|>\\n`, an
+    assistant turn learned from its content through its end marker."""
+    pieces = []
+    for message in messages:
+        opening = f"<|im_start|>{message['role']}\n"
+        if message["role"] == "assistant":
+            pieces += [(opening, False), (message["content"] + "<|im_end|>\n", True)]
+        else:
+            pieces.append((opening + message["content"] + "<|im_end|>\n", False))
+    return pieces
+
+
+def _records(out):
+    """`{token ids: learned flags}` of every record written (both splits)."""
+    rows = {}
+    for split in ("train", "val"):
+        for inputs, targets, weights in _rows(out, split):
+            length = int(np.nonzero(weights)[0].max()) + 2
+            rows[tuple(np.r_[inputs[:1], targets][:length].tolist())] = weights[:length - 1]
+    return rows
+
+
+@pytest.mark.parametrize("learn", ["completions", "all"])
+def test_conversations_learn_their_assistant_turns_or_everything(tmp_path, tiny_data, learn):
+    code, out = _prepare(tmp_path, tiny_data, [{"messages": m} for m in CONVERSATIONS * 3],
+                         "--seq-len", "256", "--learn", learn)
+    assert code == 0
+    tokenizer = Tokenizer.load(str(tiny_data / "tokenizer.model"))
+    expected = {}
+    for messages in CONVERSATIONS:
+        pieces = _chatml_pieces(messages)
+        # Pieces merged where they touch with the same flag: one text each.
+        ids, flags = [], []
+        for text, learned in pieces:
+            encoded = tokenizer.encode(text)
+            ids += encoded
+            flags += [int(learned or learn == "all")] * len(encoded)
+        expected[tuple(ids + [tokenizer.eos_id])] = flags[1:] + [1]
+    got = _records(out)
+    assert set(got) == set(expected)
+    for ids, weights in got.items():
+        np.testing.assert_array_equal(weights, expected[ids])
+    manifest = load_manifest(str(out))
+    assert manifest["learn"] == learn
+    assert manifest["chat_template"]["where"] == "the default chat template"
+
+
+TEMPLATES = {
+    # A system turn folded into the first user turn, the BOS once, EOS after replies.
+    "folded-system": (
+        "{{ bos_token }}{% if messages[0]['role'] == 'system' %}"
+        "{% set system = messages[0]['content'] + ' | ' %}{% set messages = messages[1:] %}"
+        "{% else %}{% set system = '' %}{% endif %}"
+        "{% for message in messages %}"
+        "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('roles must alternate user/assistant') }}{% endif %}"
+        "{% if message['role'] == 'user' %}[Q] {{ (system if loop.first else '') + "
+        "message['content'] }} [/Q]"
+        "{% else %}{% generation %} {{ message['content'] }}{{ eos_token }}{% endgeneration %}"
+        "{% endif %}{% endfor %}"
+    ),
+    # Headers per turn, white space trimmed by the environment, tojson of non-ASCII text.
+    "headers": (
+        "{% for message in messages %}\n"
+        "  <|{{ message.role }}|>\n"
+        "{{ message.content | trim }}{% if not loop.last %}\n{% endif %}\n"
+        "{% endfor %}\n"
+        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+        "{{ {'n': messages | length, 'é': 'ü'} | tojson }}"
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TEMPLATES))
+def test_templates_render_as_transformers_renders_them(name):
+    """The oracle: transformers' `apply_chat_template` on a tokenizer with
+    the same template and special tokens."""
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import models
+    from transformers import PreTrainedTokenizerFast
+
+    from pipelines.chat_template import ChatTemplate
+
+    reference = PreTrainedTokenizerFast(
+        tokenizer_object=RustTokenizer(models.WordLevel({"<s>": 0, "</s>": 1}, unk_token="<s>")),
+        bos_token="<s>", eos_token="</s>")
+    reference.chat_template = TEMPLATES[name]
+    ours = ChatTemplate(TEMPLATES[name], {"bos_token": "<s>", "eos_token": "</s>"})
+    for messages in [CONVERSATIONS[0], CONVERSATIONS[1][:3], CONVERSATIONS[1]]:
+        for prompt in (False, True):
+            expected = reference.apply_chat_template(messages, tokenize=False,
+                                                     add_generation_prompt=prompt)
+            assert ours.render(messages, add_generation_prompt=prompt) == expected
+    if name == "folded-system":
+        segments = ours.segments(CONVERSATIONS[1])
+        assert [text for text, learned in segments if learned] == [" cat</s>",
+                                                                   " ran to the door</s>"]
+        assert "".join(text for text, _ in segments) == ours.render(CONVERSATIONS[1])
+        assert ours.end_of_turn() == "</s>"
+
+
+def test_a_template_from_a_hugging_face_directory(tmp_path, tiny_data):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": TEMPLATES["folded-system"], "bos_token": {"content": "<s>"},
+        "eos_token": "</s>"}))
+    code, out = _prepare(tmp_path, tiny_data, [{"messages": m} for m in CONVERSATIONS * 2],
+                         "--seq-len", "256", "--chat-template", str(model))
+    assert code == 0
+    tokenizer = Tokenizer.load(str(tiny_data / "tokenizer.model"))
+    learned = {tuple(ids[1:][np.asarray(weights) == 1][:-1])  # (the EOS of the record)
+               for ids, weights in ((np.asarray(k), v) for k, v in _records(out).items())}
+    assert tuple(tokenizer.encode(" cat</s>")) in {piece[:len(tokenizer.encode(" cat</s>"))]
+                                                   for piece in learned}
+    assert load_manifest(str(out))["chat_template"]["special_tokens"] == {
+        "bos_token": "<s>", "eos_token": "</s>"}
+
+
+@pytest.mark.parametrize("template, message", [
+    ("{{ raise_exception('no system turns here') }}",
+     r"examples.jsonl:2: .*template.jinja: the chat template failed to render: no system turns "
+     r"here"),
+    ("{% for m in messages %}{{ m.content }}{% endfor %}{% if add_generation_prompt %}>"
+     "{% endif %}",
+     r"examples.jsonl:2: .*template.jinja: the chat template does not render a conversation's "
+     r"first turns as the start of the whole \(turn 2\)"),
+])
+def test_a_template_that_fails_is_one_line_naming_file_and_line(tmp_path, tiny_data, capsys,
+                                                                template, message):
+    (tmp_path / "template.jinja").write_text(template)
+    code, _ = _prepare(tmp_path, tiny_data, [{"text": "the cat"}, {"messages": CONVERSATIONS[0]}],
+                       "--chat-template", str(tmp_path / "template.jinja"))
+    assert code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("error: ") and re.search(message, error), error
 
 
 # ---- Fine-tuning a pretrained GPT on them (train_hvd.py --task sft --init RUN) ---------------

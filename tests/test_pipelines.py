@@ -802,7 +802,7 @@ def help_entries():
 def test_help_explains_every_flag_with_its_choices_and_default():
     parser, entries = help_entries()
     flags = [action for action in parser._actions if action.option_strings != ["-h", "--help"]]
-    assert len(flags) == 20
+    assert len(flags) == 22
     for action in flags:
         (flag,) = action.option_strings
         entry = entries[flag]
@@ -820,6 +820,7 @@ def test_help_explains_every_flag_with_its_choices_and_default():
         "--tokenizer-type": ("bpe", "unigram", "wordpiece"),
         "--compression": ("none", "gzip"),
         "--too-long": data_format.TOO_LONG_CHOICES,
+        "--learn": data_format.LEARN_CHOICES,
     }
     assert {action.option_strings[0] for action in flags if action.choices} == set(enumerated)
     for flag, choices in enumerated.items():

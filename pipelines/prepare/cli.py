@@ -12,7 +12,7 @@ import re
 import sys
 from typing import Optional, Sequence
 
-from pipelines.manifest import RECORD_FORMATS, TOO_LONG_CHOICES
+from pipelines.manifest import LEARN_CHOICES, RECORD_FORMATS, TOO_LONG_CHOICES
 from pipelines.prepare.encoding import WorkerDied
 from pipelines.prepare.run import (
     DEFAULT_SEED,
@@ -149,9 +149,10 @@ def build_argument_parser() -> argparse.ArgumentParser:
         default="packed",
         help="records: packed, one token stream cut into records (GPT); encoder, a "
         "document's sentences grouped into records (BERT/ALBERT pretraining); instructions, "
-        "one prompt and completion per record, the completion learned (fine-tuning a GPT: "
-        'JSON Lines of {"prompt", "completion"} or {"text"}, or the built-in corpus; needs '
-        "--tokenizer)",
+        "one example per record, its completion or assistant turns learned (fine-tuning a "
+        "GPT: "
+        'JSON Lines of {"prompt", "completion"}, {"messages": [{"role", "content"}, ...]} or '
+        '{"text"}, or the built-in corpus; needs --tokenizer)',
     )
     output.add_argument(
         "--too-long",
@@ -159,6 +160,20 @@ def build_argument_parser() -> argparse.ArgumentParser:
         default="drop",
         help="--format instructions: an example longer than --seq-len + 1 tokens is dropped, "
         "or truncated (its end cut); the summary counts both",
+    )
+    output.add_argument(
+        "--learn",
+        choices=LEARN_CHOICES,
+        default="completions",
+        help="--format instructions: the tokens the loss is taken on: the completions and "
+        "assistant turns (and the EOS after them), or all of every example",
+    )
+    output.add_argument(
+        "--chat-template",
+        metavar="PATH",
+        help='--format instructions: the chat template of "messages" examples: a Jinja file, '
+        "or a Hugging Face model directory or its tokenizer_config.json (default: the "
+        "--tokenizer directory's, else ChatML's turns)",
     )
     output.add_argument(
         "--shard-size",
@@ -279,6 +294,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             tfds_data_dir=arguments.get("tfds_data_dir"),
             text_key=arguments["text_key"],
             too_long=arguments["too_long"],
+            learn=arguments["learn"],
+            chat_template=arguments.get("chat_template"),
             interactive_progress=sys.stderr.isatty(),
         )
     except (ValueError, OSError, WorkerDied) as error:

@@ -114,9 +114,11 @@ def build_manifest(
     shard_size,
     chunk_size,
     number_of_chunks,
-    too_long=None,
+    instructions=None,
 ) -> Manifest:
-    """The manifest's contents; `pipelines.manifest.Manifest` describes the keys."""
+    """The manifest's contents; `pipelines.manifest.Manifest` describes the keys
+    (`instructions`: the instruction format's `too_long`, `learn` and
+    `chat_template`)."""
     splits = {split: split_summary(chunk_results, split, record_format) for split in SPLITS}
     return Manifest(
         format=RECORD_FORMATS[record_format],
@@ -124,7 +126,7 @@ def build_manifest(
         feature=record_feature(record_format),
         seq_len=seq_len,
         record_length=record_length,
-        **({} if too_long is None else {"too_long": too_long}),
+        **(instructions or {}),
         compression=compression,
         tokenizer=_tokenizer_description(
             tokenizer, tokenizer_path, scan["sample_documents"], scan["sample_bytes"]

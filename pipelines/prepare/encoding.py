@@ -94,10 +94,12 @@ def encode_chunk(job, chunk_index, segments, counters) -> dict:
     def flush():
         if instructions:
             examples = [parse_example_document(text) for text in batch_texts]
-            prompts = tokenizer.encode_batch([p for p, _ in examples], num_threads=job["num_threads"])
-            completions = tokenizer.encode_batch([c for _, c in examples],
-                                                 num_threads=job["num_threads"])
-            token_lists = list(zip(prompts, completions))
+            encoded = iter(tokenizer.encode_batch(
+                [text for pieces in examples for text, _ in pieces],
+                num_threads=job["num_threads"]))
+            learn_all = job["learn"] == "all"
+            token_lists = [[(next(encoded), learned or learn_all) for _, learned in pieces]
+                           for pieces in examples]
         elif encoder:
             segment_lists = [split_segments(text) for text in batch_texts]
             flat = [segment for segments_of_one in segment_lists for segment in segments_of_one]

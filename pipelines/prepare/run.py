@@ -12,10 +12,17 @@ import os
 import time
 from typing import Callable, Optional, Sequence
 
+from pipelines.chat_template import (
+    DEFAULT_TEMPLATE,
+    TEMPLATE_FILE,
+    ChatTemplate,
+    load_chat_template,
+)
 from pipelines.errors import DataError
 from pipelines.files import write_atomically
 from pipelines.manifest import (
     COMPRESSIONS,
+    LEARN_CHOICES,
     MANIFEST_FILENAME,
     RECORD_FORMATS,
     SPLITS,
@@ -53,6 +60,20 @@ DEFAULT_TOKENIZER_SAMPLE_BYTES = 64 << 20
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _chat_template(path, tokenizer_path):
+    """The `ChatTemplate` of instruction data: `path`'s (which must hold
+    one), else the tokenizer directory's, else tfgpt's default."""
+    if path is not None:
+        template = load_chat_template(path)
+        if template is None:
+            raise ValueError(f"--chat-template {path}: no chat template there (expected a Jinja "
+                             f"file, {TEMPLATE_FILE}, or a tokenizer_config.json with one)")
+        return template
+    directory = (tokenizer_path if tokenizer_path and os.path.isdir(tokenizer_path)
+                 else os.path.dirname(tokenizer_path or ""))
+    return load_chat_template(directory or None) or ChatTemplate(DEFAULT_TEMPLATE)
 
 
 def _check_byte_count(name: str, value) -> None:
@@ -103,6 +124,8 @@ def prepare(
     tfds_data_dir: Optional[str] = None,
     text_key: str = "text",
     too_long: str = "drop",
+    learn: str = "completions",
+    chat_template: Optional[str] = None,
     log: Callable[[str], None] = stderr_log,
     interactive_progress: bool = False,
 ) -> Manifest:
@@ -149,6 +172,13 @@ def prepare(
         too_long: str. Instructions: an example longer than `seq_len + 1`
             tokens is "drop"ped or "truncate"d (its end cut); each counted
             in the summary.
+        learn: str. Instructions: "completions" learns only completions
+            and assistant turns; "all", every token of every example.
+        chat_template: str or None. Instructions: where the chat template
+            of "messages" examples comes from (a Jinja file, or a Hugging
+            Face directory or its `tokenizer_config.json`); None: the
+            tokenizer's directory's, else tfgpt's default
+            (`pipelines.chat_template`).
         log: callable taking a str. Progress sink (stderr by default).
         interactive_progress: bool. Redraw the progress line in place.
 
@@ -188,6 +218,9 @@ def prepare(
     if too_long not in TOO_LONG_CHOICES:
         raise ValueError(f"`too_long` must be one of {TOO_LONG_CHOICES}. "
                          f"Received: too_long={too_long!r}")
+    if learn not in LEARN_CHOICES:
+        raise ValueError(f"`learn` must be one of {LEARN_CHOICES}. Received: learn={learn!r}")
+    chat = _chat_template(chat_template, tokenizer_path) if instructions else None
     if instructions and tokenizer_path is None:
         raise ValueError(
             "--format instructions needs --tokenizer, the tokenizer of the model to fine-tune "
@@ -261,7 +294,8 @@ def prepare(
             "format": record_format,
             "compression": compression,
             "text_key": text_key,
-            **({"too_long": too_long} if instructions else {}),
+            **({"too_long": too_long, "learn": learn, "chat_template": chat.spec()}
+               if instructions else {}),
         }
         job = {
             "sources": [(source.path, source.kind, source.size) for source in sources],
@@ -269,6 +303,8 @@ def prepare(
             "seed": seed,
             "text_key": None if instructions else text_key,  # None: examples
             "too_long": too_long,
+            "learn": learn,
+            "chat_template": chat.spec() if chat else None,
             "tfds_data_dir": tfds_data_dir,
             "sample_bytes": tokenizer_sample_bytes,
             "collect_sample": tokenizer is None,
@@ -348,7 +384,8 @@ def prepare(
             shard_size=shard_size,
             chunk_size=chunk_size,
             number_of_chunks=len(chunks),
-            too_long=too_long if instructions else None,
+            instructions=({"too_long": too_long, "learn": learn,
+                           "chat_template": chat.spec()} if instructions else None),
         )
         start = time.perf_counter()
         commit(output_directory, tokenizer_temporary, tokenizer.filename, chunk_results, manifest)

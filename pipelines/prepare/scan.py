@@ -16,6 +16,7 @@ from typing import List
 
 import numpy as np
 
+from pipelines.chat_template import ChatTemplate
 from pipelines.errors import DataError
 from pipelines.prepare.progress import Progress
 from pipelines.sources import ChunkReader, Source
@@ -93,12 +94,14 @@ def _validation_bin_threshold(histogram, val_fraction: float) -> int:
 def chunk_reader(job: dict, segments, counters) -> ChunkReader:
     """The documents of one chunk (`[source_index, start, end]` segments), counting input bytes."""
     sources = [Source(*source) for source in job["sources"]]
+    chat = job.get("chat_template")
     return ChunkReader(
         sources,
         segments,
         text_key=job["text_key"],
         tfds_data_dir=job["tfds_data_dir"],
         on_progress=lambda consumed: counters.add(0, 0, consumed),
+        chat=ChatTemplate(**chat) if chat else None,
     )
 
 

@@ -116,17 +116,19 @@ class SplitWriter:
             self._write_record(serialized)
 
     def add_examples(self, examples, eos_id: int, too_long: str) -> None:
-        """Instruction format: each `(prompt ids, completion ids)` is one record,
-        the prompt's tokens, the completion's and EOS, with `learned` 1 on the
-        last two. An example longer than a record is dropped or (`too_long`
-        "truncate") cut to one; either way counted."""
-        for prompt, completion in examples:
+        """Instruction format: each example, `[(token ids, learned)]` pieces,
+        is one record: the pieces' tokens and EOS, `learned` 1 on the tokens
+        of learned pieces and on EOS. An example longer than a record is
+        dropped or (`too_long` "truncate") cut to one; either way counted.
+        A cut that would keep no learned token drops the example."""
+        for pieces in examples:
             self.documents += 1
-            token_ids = [*prompt, *completion, eos_id]
-            learned = [0] * len(prompt) + [1] * (len(completion) + 1)
+            token_ids = [token for ids, _ in pieces for token in ids] + [eos_id]
+            learned = [int(flag) for ids, flag in pieces for _ in ids] + [1]
             if len(token_ids) > self.record_length:
-                if too_long == "drop" or len(prompt) >= self.record_length - 1:
-                    self.dropped_examples += 1  # (cut, it would keep no learned token)
+                kept = learned[1:self.record_length]  # (the first token is no one's target)
+                if too_long == "drop" or not any(kept):
+                    self.dropped_examples += 1
                     self.dropped_tokens += len(token_ids)
                     continue
                 self.truncated_examples += 1
@@ -134,7 +136,7 @@ class SplitWriter:
                 token_ids, learned = (token_ids[:self.record_length],
                                       learned[:self.record_length])
             self.tokens += len(token_ids)
-            self.learned_tokens += sum(learned[1:])  # (the first token is no one's target)
+            self.learned_tokens += sum(learned[1:])
             self._current_tokens = len(token_ids)
             self._write_record(serialize_example(
                 dict(zip(INSTRUCTION_FEATURES, (token_ids, learned)))))
