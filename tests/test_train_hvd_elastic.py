@@ -41,32 +41,35 @@ def elastic_flags(tiny_data, out, *extra):
 
 
 def record_log_lines(directory):
-    """`(formation, step, world size, rank, fingerprints)` of each `faults.RECORD_LOG` line."""
+    """`(formation, step, world size, rank, state, fingerprints)` of each
+    `faults.RECORD_LOG` line."""
     lines = []
     for path in directory.glob("records-*.txt"):
         for line in path.read_text().splitlines():
-            formation, step, size, rank, *fingerprints = line.split()
-            lines.append((int(formation), int(step), int(size), int(rank), fingerprints))
+            formation, step, size, rank, state, *fingerprints = line.split()
+            lines.append((int(formation), int(step), int(size), int(rank), state, fingerprints))
     return lines
 
 
 def read_record_logs(directory):
     """`{step: (world size, {rank: fingerprints})}` from `faults.RECORD_LOG` files,
-    and the number of lines.
+    and the number of lines; asserts that every rank of each step logged
+    it once, and from one state (the model's weights, bit for bit).
 
     A step done again after a rollback is logged again by a later
     formation: the last formation's lines are the ones that count.
     """
     lines = collections.defaultdict(list)
-    for formation, step, size, rank, fingerprints in record_log_lines(directory):
-        lines[step].append((formation, size, rank, fingerprints))
+    for formation, step, size, rank, state, fingerprints in record_log_lines(directory):
+        lines[step].append((formation, size, rank, state, fingerprints))
     steps = {}
     for step, entries in lines.items():
         last = max(entry[0] for entry in entries)
         kept = [entry for entry in entries if entry[0] == last]
         (size,) = {entry[1] for entry in kept}
         assert sorted(entry[2] for entry in kept) == list(range(size)), (step, kept)
-        steps[step] = (size, {entry[2]: entry[3] for entry in kept})
+        assert len({entry[3] for entry in kept}) == 1, (step, [entry[:4] for entry in kept])
+        steps[step] = (size, {entry[2]: entry[4] for entry in kept})
     return steps, sum(len(entries) for entries in lines.values())
 
 
@@ -130,7 +133,7 @@ def test_a_worker_lost_and_added_back_mid_run(tiny_data, tmp_path):
 
     def world_size(hosts, output):
         failed = re.search(r"blacklist failing host: (\S+)", output)
-        alone = [step for _, step, size, _, _ in record_log_lines(records) if size == 1]
+        alone = [step for _, step, size, _, _, _ in record_log_lines(records) if size == 1]
         if failed and len(hosts.listed) == 2 and not alone:
             hosts.drop(failed.group(1))  # the lost worker's slot is gone
         elif len(hosts.listed) == 1 and alone and max(alone) >= KILL_AT + ALONE_FOR:
@@ -195,7 +198,7 @@ def test_a_worker_added_trains_from_the_same_state(tiny_data, tmp_path):
     records = tmp_path / "records"
 
     def grow(hosts, output):
-        sizes = collections.Counter(size for _, _, size, _, _ in record_log_lines(records))
+        sizes = collections.Counter(size for _, _, size, _, _, _ in record_log_lines(records))
         if len(hosts.slots) == 1 and sizes[1] >= 8:
             hosts.set({"localhost": 1, "127.0.0.1": 1})
 
