@@ -86,6 +86,41 @@ print("size", distribution.size, "horovod ops", sorted({op.type for op in graph.
 """
 
 
+_STEP_COLLECTIVES_BY_TOWERS = """
+import numpy as np, keras, tensorflow as tf
+from tfgpt import GPT
+from tfgpt.parallel.horovod_bridge import HorovodDistribution
+from tfgpt.training.train_step import TrainStep
+distribution = HorovodDistribution(bucket_mb=0.001)
+distribution.size = 2  # traced as one of two workers (not run)
+model = GPT(vocabulary_size=11, num_layers=1, num_heads=2, hidden_dim=8, intermediate_dim=12,
+            max_sequence_length=5)
+optimizer = keras.optimizers.AdamW(1e-3)
+optimizer.build(model.trainable_variables)
+tokens = tf.constant(np.arange(10).reshape(2, 5) % 11, tf.int32)
+for towers in (1, 2, 1):
+    step = TrainStep(model, optimizer, distribution, towers=towers)
+    graph = step._step.get_concrete_function((tokens, tokens)).graph
+    names = sorted(op.name for op in graph.get_operations() if op.type.startswith("Horovod"))
+    print("towers", towers, " ".join(names))
+"""
+
+
+def test_a_step_names_its_collectives_alike_whatever_its_towers():
+    # Horovod pairs the ranks' collectives by name: workers whose steps run
+    # different towers (a worker started beside another on its host has
+    # fewer threads, so one tower) must name their gradient buckets alike,
+    # or each waits for the other's forever (an elastic run grown 2 -> 4
+    # did). The same for a step traced again in the same process.
+    code, output = run([sys.executable, "-c", _STEP_COLLECTIVES_BY_TOWERS])
+    assert code == 0, output
+    lines = [line.split() for line in output.splitlines() if line.startswith("towers ")]
+    assert [line[1] for line in lines] == ["1", "2", "1"], output
+    names = [line[2:] for line in lines]
+    assert len(names[0]) > 1, output  # several buckets
+    assert names[0] == names[1] == names[2], output
+
+
 def test_one_horovod_worker_averages_nothing_through_horovod():
     # Its gradients are their own average; Horovod's background thread
     # would hold every step up to one cycle for them.

@@ -340,10 +340,18 @@ class HorovodDistribution(LocalDistribution):
         where = {} if self._data_set is None else {"process_set": self._data_set}
         averaged = [None] * len(gradients)
         for bucket in gradient_buckets(gradients, self.bucket_bytes):
+            # Horovod pairs the ranks' collectives by name, and by default
+            # names a grouped allreduce after its tensors, which are names in
+            # this worker's graph: a worker with 2 towers averages `AddN_45`,
+            # the sum of its towers, where one with 1 tower (started beside
+            # another on its host: fewer threads) averages a `gradient_tape/`
+            # tensor, and both wait for the other's forever. The bucket's
+            # place in the gradient list is the same on every worker.
             reduced = self._hvd.grouped_allreduce(
                 [gradients[index] for index in bucket],
                 op=self._hvd.Average,
                 compression=self._compression,
+                name=f"gradients_{bucket[-1]}_to_{bucket[0]}",
                 **where,
             )
             for index, gradient in zip(bucket, reduced):

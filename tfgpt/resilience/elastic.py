@@ -187,8 +187,9 @@ def run(function):
     return run_fn(translated, reset)
 
 
-def _logging_records(batches, directory, formation, first_step, distribution):
-    # faults.RECORD_LOG: which sequences each step of each formation read.
+def _logging_records(batches, directory, formation, first_step, distribution, variables):
+    # faults.RECORD_LOG: the state each step of each formation started from
+    # (`variables` as the loop draws the step's batch) and the sequences it read.
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, f"records-{os.getpid()}.txt"), "a") as log:
         for index, (inputs, targets) in enumerate(batches):
@@ -197,6 +198,7 @@ def _logging_records(batches, directory, formation, first_step, distribution):
             rows = tokens.reshape(-1, tokens.shape[-1])
             log.write(
                 f"{formation} {first_step + index + 1} {distribution.size} {distribution.rank} "
+                f"{faults.state_fingerprint(variables)} "
                 + " ".join(faults.fingerprint(row) for row in rows) + "\n"
             )
             log.flush()
@@ -242,7 +244,7 @@ def run_formations(config, options, distribution, report, *, model, optimizer, s
         batches = build_batches(cursor)
         if record_log:
             batches = _logging_records(batches, record_log, state.formation, first_step,
-                                       distribution)
+                                       distribution, model.variables)
 
         def after_step(done):
             data_cursor.assign_add(records_per_step)

@@ -30,8 +30,10 @@ is RANK when the fault is due (an elastic run's ranks change):
   limit stays for the rest of the process.
 - `RECORD_LOG` = "DIR": each worker of an elastic run appends one line per
   step to DIR/records-PID.txt: the formation, the step, the world size,
-  its rank and `fingerprint` of each sequence of its batch
-  (`tfgpt.resilience.elastic`; which sequences each step used).
+  its rank, `state_fingerprint` of the model's variables as the step
+  starts and `fingerprint` of each sequence of its batch
+  (`tfgpt.resilience.elastic`; which state each step started from and
+  which sequences it used).
 
 Example:
 >>> from tfgpt.parallel import LocalDistribution
@@ -152,3 +154,12 @@ def _rank_value(name, spec):
 def fingerprint(tokens):
     """A short hex digest of one sequence's token ids (`RECORD_LOG`)."""
     return hashlib.sha1(",".join(str(int(token)) for token in tokens).encode()).hexdigest()[:16]
+
+
+def state_fingerprint(variables):
+    """A short hex digest of the values of `variables` (`RECORD_LOG`): the
+    same on every worker that holds the same state, bit for bit."""
+    digest = hashlib.sha1()
+    for variable in variables:
+        digest.update(variable.numpy().tobytes())
+    return digest.hexdigest()[:16]
