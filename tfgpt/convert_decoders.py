@@ -569,7 +569,7 @@ def save_hf_adapter(model, directory, model_type="llama", base_model_name_or_pat
     that projection (`lora_B.weight`, (out, rank)), which gives the same
     product. Raises ValueError as `tfgpt.models.adapters.save_peft`.
     """
-    adapted = {id(layer._kernel): layer for layer in adapted_layers(model)}
+    adapted = {id(layer.base_kernel): layer for layer in adapted_layers(model)}
     modules = {}
     for variable, names, layout in weight_map(model, model_type):
         layer = adapted.get(id(variable))

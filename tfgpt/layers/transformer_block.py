@@ -281,7 +281,7 @@ class TransformerBlock(ConfiguredLayer):
 def set_recompute(model, enabled):
     """Turns activation recomputation on or off in every TransformerBlock of
     `model`; returns how many blocks there are (0: the option does nothing)."""
-    blocks = [layer for layer in model._flatten_layers() if isinstance(layer, TransformerBlock)]
+    blocks = [layer for layer in model.sublayers() if isinstance(layer, TransformerBlock)]
     for block in blocks:
         block.recompute = enabled
     return len(blocks)

@@ -182,7 +182,7 @@ def sliced_initializer(initializer, tensor_slice, whole_shape, rule):
 def split_rules(model):
     """`{id(variable): rule}` of the split variables of a model built in slices."""
     rules = {}
-    for layer in model._flatten_layers():
+    for layer in model.sublayers():
         for name, rule in getattr(layer, "tensor_split", {}).items():
             variable = getattr(layer, name, None)
             if variable is not None:
@@ -216,7 +216,7 @@ def check_sizes(tensor, model_config):
 
 def split_seed_states(model):
     """The seed states of the dropouts in split regions (each slice offsets its own)."""
-    return [layer.seed_generator.state for layer in model._flatten_layers()
+    return [layer.seed_generator.state for layer in model.sublayers()
             if getattr(layer, "split_region", False)]
 
 
