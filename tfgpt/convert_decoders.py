@@ -45,7 +45,6 @@ from tfgpt.models.gpt import GPT
 # model_type -> the `architectures` entry transformers writes for it, every family's.
 ARCHITECTURES = {model_type: architecture for family in DECODER_FAMILIES.values()
                  for model_type, architecture in family.architectures.items()}
-LLAMA_TYPES = tuple(DECODER_FAMILIES["llama"].architectures)
 # Tensors some writers keep that are not weights (masks, frequencies).
 _BUFFERS = (".attn.bias", ".attn.masked_bias", "attention.bias", "attention.masked_bias",
             "rotary_emb.inv_freq")

@@ -13,7 +13,10 @@ class DecoderFamily:
     TensorFlow, and `tfgpt.models.decoder_families` lists them. The generic
     code reads everything from there: the presets (`tfgpt.config.FAMILIES`,
     `--preset`), the transformers model types (`tfgpt.convert_decoders`,
-    `tfgpt.loading`, `tfgpt.convert`).
+    `tfgpt.loading`, `tfgpt.convert`). The backbone is the one GPT and its
+    tensor-parallel split rules the block's
+    (`tfgpt.parallel.tensor_parallel.SPLIT_RULES`, by variable path), so a
+    family whose switches the block has declares neither.
 
     The conversion module (`hf_conversion.py` in the folder) defines:
 

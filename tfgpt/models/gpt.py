@@ -8,7 +8,7 @@ from tfgpt.config import GPTConfig
 from tfgpt.layers.token_and_position_embedding import TokenAndPositionEmbedding
 from tfgpt.models.block_stack import BlockStack
 from tfgpt.models.configured_model import ConfiguredModel
-from tfgpt.parallel.tensor_parallel import current_slice
+from tfgpt.parallel.tensor_parallel import SPLIT_RULES, current_slice
 
 
 @keras.saving.register_keras_serializable(package="tfgpt")
@@ -98,11 +98,9 @@ class GPT(BlockStack, ConfiguredModel):
                 use_bias=config.lm_head_bias,
                 kernel_initializer=self.tensor_slice.initializer(
                     keras.initializers.RandomNormal(stddev=0.02),
-                    (self.hidden_dim, self.vocabulary_size), (1, 1)),
+                    (self.hidden_dim, self.vocabulary_size), SPLIT_RULES["lm_head/kernel"]),
                 dtype=policy, name="lm_head",
             )
-            self.tensor_slice.mark_split(self.lm_head, kernel=(1, 1),
-                                         **({"bias": (0, 1)} if config.lm_head_bias else {}))
         self.build((None, None))
 
     def build(self, input_shape):
