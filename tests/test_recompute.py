@@ -7,6 +7,7 @@ import tensorflow as tf
 
 from tfgpt import GPT
 from tfgpt.layers.transformer_block import TransformerBlock, set_recompute
+from tfgpt.models import BertBackbone, SequenceClassifier
 from tfgpt.training.train_step import cross_entropy
 
 
@@ -76,4 +77,13 @@ def test_recompute_is_not_part_of_the_architecture():
     set_recompute(model, True)
     assert "recompute" not in model.blocks[0].get_config()
     assert "recompute" not in model.get_config()
-    assert set_recompute(keras.Sequential([keras.layers.Dense(2)]), True) == 0
+
+
+def test_a_task_model_recomputes_its_backbones_blocks():
+    backbone = BertBackbone(vocabulary_size=23, num_layers=3, num_heads=2, hidden_dim=8,
+                            intermediate_dim=12, max_sequence_length=8)
+    classifier = SequenceClassifier(backbone, num_classes=2)
+    assert set_recompute(classifier, True) == 3
+    assert all(block.recompute for block in backbone.blocks)
+    assert set_recompute(classifier, False) == 3
+    assert not any(block.recompute for block in backbone.blocks)

@@ -77,6 +77,66 @@ def test_split_rows_refuses_a_size_that_does_not_divide():
         split_rows(3, 2, 0, "num_heads")
 
 
+# Per block, then for the model: the weights Megatron's layout cuts, by the end of their path.
+_ATTENTION_FUSED = ["query_key_value/kernel", "query_key_value/bias", "output_projection/kernel"]
+_MLP = ["feedforward_intermediate/kernel", "feedforward_intermediate/bias",
+        "feedforward_output/kernel"]
+SPLIT_BY_PRESET = {
+    "gpt-demo": (_ATTENTION_FUSED + _MLP, ["token_embedding/embeddings"]),
+    # Grouped-query attention, a gated MLP, no biases, an untied head.
+    "llama-demo": (["query/kernel", "key_value/kernel", "output_projection/kernel",
+                    "feedforward_gate/kernel", "feedforward_intermediate/kernel",
+                    "feedforward_output/kernel"],
+                   ["token_embedding/embeddings", "lm_head/kernel"]),
+    # No attention biases; an untied head with a bias.
+    "gptj-demo": (["query_key_value/kernel", "output_projection/kernel"] + _MLP,
+                  ["token_embedding/embeddings", "lm_head/kernel", "lm_head/bias"]),
+}
+
+
+@pytest.mark.parametrize("preset", sorted(SPLIT_BY_PRESET))
+def test_split_rules_by_path_cut_what_the_layers_build_in_slices(preset):
+    # The rules `split_rules` reads from the variables' paths (what ZeRO and the checkpoint
+    # use) are those the layers were built by: each split variable's slices are the
+    # take_slice of the whole model built from the same seed, every other variable is
+    # whole, and the split ones are those Megatron's layout cuts. (That the layout computes
+    # the whole model's function: the multi-process tests below.) No processes: building a
+    # slice needs no collective.
+    import keras
+
+    from tfgpt import GPT
+    from tfgpt.parallel.tensor_parallel import TensorSlice, slice_scope, split_rules, take_slice
+
+    def build(tensor_slice=None):
+        keras.utils.set_random_seed(5)
+        with slice_scope(tensor_slice):
+            return GPT.from_preset(preset, num_layers=2, hidden_dim=16, num_heads=4,
+                                   intermediate_dim=24, vocabulary_size=34,
+                                   max_sequence_length=8, rotary_fraction=0.5)  # 2 of 4
+
+    whole = build()
+    assert split_rules(whole) == {}
+    slices = [build(TensorSlice(None, None, 2, index)) for index in range(2)]
+    rules = split_rules(slices[0])
+    split_names = []
+    for index, variable in enumerate(whole.variables):
+        parts = [part.variables[index] for part in slices]
+        # The same path but for the model's own name (gpt_1, gpt_2, ...).
+        assert {part.path.split("/", 1)[1] for part in parts} == {variable.path.split("/", 1)[1]}
+        rule = rules.get(id(parts[0]))
+        if rule is None:
+            for part in parts:
+                np.testing.assert_array_equal(part.numpy(), variable.numpy(), err_msg=part.path)
+            continue
+        split_names.append("/".join(variable.path.split("/")[-2:]))
+        for slice_index, part in enumerate(parts):
+            np.testing.assert_array_equal(
+                part.numpy(), take_slice(variable.numpy(), rule, 2, slice_index),
+                err_msg=part.path)
+    per_block, model_wide = SPLIT_BY_PRESET[preset]
+    assert sorted(split_names) == sorted(2 * per_block + model_wide)
+
+
 # ---- The operators against unsplit autodiff (horovodrun -np 2) -----------------------
 
 

@@ -7,11 +7,11 @@ Two layouts are recognised by their `config.json`:
   `ckpt-N/` checkpoints of any layout (`tfgpt.checkpoint`) and the tokenizer,
   `tokenizer.model` (SentencePiece, `pipelines.tokenizer`) or GPT-2's
   `vocab.json` + `merges.txt`;
-- a Hugging Face GPT-2 directory (`"model_type": "gpt2"`), read by
-  `tfgpt.convert.load_gpt2_checkpoint`;
-- a Hugging Face GPT-J, GPT-Neo, GPT-NeoX, Llama, Mistral or Qwen2 directory,
-  read by `tfgpt.convert_decoders.load_hf_decoder`, with the tokenizer of
-  `load_hf_tokenizer`.
+- a Hugging Face decoder directory, of any decoder family's `model_type`
+  (`tfgpt.models.decoder_families`): read by
+  `tfgpt.convert_decoders.load_hf_decoder`, with the tokenizer of
+  `load_hf_tokenizer`, or by the family's own reader where it has one
+  (GPT-2's `tfgpt.convert.load_gpt2_checkpoint`).
 """
 
 import dataclasses
@@ -26,8 +26,7 @@ from tfgpt.checkpoint import (
     write_run_files,
 )
 from tfgpt.config import GPTConfig
-from tfgpt.convert import load_gpt2_checkpoint
-from tfgpt.convert_decoders import ARCHITECTURES, load_hf_decoder
+from tfgpt.convert_decoders import ARCHITECTURES, converter, load_hf_decoder
 from tfgpt.models.adapters import add_run_adapters, merged
 from tfgpt.models.gpt import GPT
 from tfgpt.tokenizers import check_tokenizer_matches_model
@@ -52,9 +51,10 @@ def load_model(directory, dtype=None):
         is a ValueError (`load_hf_tokenizer`).
     """
     config = _read_json(directory, CONFIG_FILE)
-    if config.get("model_type") == "gpt2":
-        return load_gpt2_checkpoint(directory, dtype=dtype)
     if config.get("model_type") in ARCHITECTURES:
+        family_conversion = converter(config["model_type"])
+        if hasattr(family_conversion, "load_checkpoint"):  # the family's own reader
+            return family_conversion.load_checkpoint(directory, dtype=dtype)
         tokenizer = load_hf_tokenizer(directory)
         model = load_hf_decoder(directory, dtype=dtype)
         check_tokenizer_matches_model(tokenizer, model)
@@ -63,7 +63,7 @@ def load_model(directory, dtype=None):
         raise ValueError(
             f"{os.path.join(directory, CONFIG_FILE)} is neither a tfgpt run config "
             "(a 'model' section with the GPTConfig fields) nor a transformers decoder's "
-            f"(model_type gpt2, {', '.join(ARCHITECTURES)}). Received keys: {sorted(config)}"
+            f"(model_type {', '.join(ARCHITECTURES)}). Received keys: {sorted(config)}"
         )
     model_config = GPTConfig(**config["model"])
     model = GPT(**dataclasses.asdict(model_config), dtype=dtype)

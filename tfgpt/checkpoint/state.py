@@ -97,7 +97,7 @@ def seed_keys(root):
                     visit(child, name + "/")
 
     visit(root, "")
-    layers = [layer for layer in root._flatten_layers()
+    layers = [layer for layer in root.sublayers()
               if getattr(layer, "seed_generator", None) is not None]
     return [("rng/" + paths.get(id(layer), f"#{index}"), layer.seed_generator.state)
             for index, layer in enumerate(layers)]

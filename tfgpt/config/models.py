@@ -1,5 +1,8 @@
 """Model configurations, named presets and the family registry.
 
+The decoders' presets come from their families' folders
+(`tfgpt.models.decoder_families`); the encoders' are here.
+
 One dataclass per model family is the single source of truth: its field names
 are the model's constructor arguments, the keys of `get_config()` and the
 command-line flags of the trainers, and its `__post_init__` checks them. Build
@@ -20,6 +23,7 @@ from tfgpt.config.checks import (
     require_positive_int,
     require_positive_number,
 )
+from tfgpt.models.decoder_families import DECODER_FAMILIES
 
 # Activation names of the feed-forward layers and the masked-LM transform,
 # for the whole code base (`tfgpt.layers.activated_dense` computes them).
@@ -378,109 +382,18 @@ def _sized(config_class, num_layers, hidden_dim, num_heads, **fields):
     return dataclasses.asdict(config)
 
 
-# Published parameter counts of the GPT-2 family (tied embeddings): 124M,
-# 355M, 774M and 1558M (Radford et al. 2019, as counted by the released
-# checkpoints). tests/test_gpt.py asserts the exact integers.
-GPT_PRESETS: dict[str, dict[str, typing.Any]] = {
-    # Sized for a 2-core CPU: about 2M parameters, trains in minutes.
-    "gpt-demo": _sized(GPTConfig, 4, 192, 4, vocabulary_size=2000, max_sequence_length=128),
-    # nanoGPT's character-level Shakespeare shape (6 layers, 6 heads, 384).
-    "gpt-mini": _sized(GPTConfig, 6, 384, 6, vocabulary_size=2000, max_sequence_length=256),
-    "gpt2-small": _sized(GPTConfig, 12, 768, 12, dropout=0.1),
-    "gpt2-medium": _sized(GPTConfig, 24, 1024, 16, dropout=0.1),
-    "gpt2-large": _sized(GPTConfig, 36, 1280, 20, dropout=0.1),
-    "gpt2-xl": _sized(GPTConfig, 48, 1600, 25, dropout=0.1),
-}
-
-def _llama(num_layers, hidden_dim, num_heads, num_key_value_heads, intermediate_dim, **fields):
-    """Every GPTConfig field of a decoder with Llama's switches: RMSNorm, rotary
-    positions, grouped-query attention, SwiGLU, no biases, an untied head."""
-    config = GPTConfig(
-        num_layers=num_layers, hidden_dim=hidden_dim, num_heads=num_heads,
-        num_key_value_heads=num_key_value_heads, intermediate_dim=intermediate_dim,
-        **{"norm": "rms", "positions": "rotary", "feedforward": "gated", "activation": "silu",
-           "attention_bias": False, "output_bias": False, "feedforward_bias": False,
-           "tie_embeddings": False, "layer_norm_epsilon": 1e-5, **fields},
-    )
-    return dataclasses.asdict(config)
+def _completed(config_class, presets):
+    """`presets` with every field of `config_class`: the fields each sets, the defaults."""
+    return {name: dataclasses.asdict(config_class(**fields)) for name, fields in presets.items()}
 
 
-def _gptj(num_layers, hidden_dim, num_heads, rotary_dim, **fields):
-    """A decoder with GPT-J's switches: one norm feeding attention and the
-    feed-forward network in parallel, interleaved partial rotary positions,
-    no attention biases, an untied head with a bias."""
-    return dataclasses.asdict(GPTConfig(
-        num_layers=num_layers, hidden_dim=hidden_dim, num_heads=num_heads,
-        intermediate_dim=4 * hidden_dim, positions="rotary",
-        rotary_fraction=rotary_dim / (hidden_dim // num_heads), rotary_interleaved=True,
-        attention_bias=False, output_bias=False, residual="parallel", tie_embeddings=False,
-        lm_head_bias=True, **fields))
-
-
-def _neo(num_layers, hidden_dim, num_heads, **fields):
-    """GPT-Neo: GPT-2's blocks, unscaled scores, local attention (256) every second layer."""
-    return dataclasses.asdict(GPTConfig(**{
-        "num_layers": num_layers, "hidden_dim": hidden_dim, "num_heads": num_heads,
-        "intermediate_dim": 4 * hidden_dim, "max_sequence_length": 2048,
-        "attention_bias": False, "scale_attention": False, "sliding_window": 256,
-        "window_layers": "odd", **fields}))
-
-
-def _pythia(num_layers, hidden_dim, num_heads, vocabulary_size=50304, **fields):
-    """Pythia (GPT-NeoX): two norms in parallel, rotary positions on a quarter of
-    each head, exact GELU, an untied head."""
-    return dataclasses.asdict(GPTConfig(**{
-        "num_layers": num_layers, "hidden_dim": hidden_dim, "num_heads": num_heads,
-        "intermediate_dim": 4 * hidden_dim, "vocabulary_size": vocabulary_size,
-        "max_sequence_length": 2048, "activation": "gelu", "positions": "rotary",
-        "rotary_fraction": 0.25, "residual": "parallel_two_norms", "tie_embeddings": False,
-        **fields}))
-
-
-_LLAMA3 = dict(vocabulary_size=128256, max_sequence_length=131072, rope_theta=500000.0,
-               rope_scaling="llama3", rope_low_frequency_factor=1.0,
-               rope_high_frequency_factor=4.0, rope_original_max_length=8192)
-_QWEN2 = dict(max_sequence_length=32768, rope_theta=1000000.0, layer_norm_epsilon=1e-6,
-              attention_bias=True)
-# The later decoders' published shapes (their config.json as released); the
-# parameter counts equal transformers' models of the same config
-# (tests/test_hf_decoders.py).
+# The decoder families' presets, from their folders (`tfgpt/models/<family>/presets.py`):
+# GPT-2's (and tfgpt's small GPTs); every family's, GPT-2's first.
+GPT_PRESETS: dict[str, dict[str, typing.Any]] = _completed(
+    GPTConfig, DECODER_FAMILIES["gpt2"].presets)
 DECODER_PRESETS: dict[str, dict[str, typing.Any]] = {
-    # Sized for a 2-core CPU, like gpt-demo: Llama's switches at gpt-demo's size.
-    "llama-demo": _llama(4, 192, 4, 2, 512, vocabulary_size=2000, max_sequence_length=128),
-    "llama3.2-1b": _llama(16, 2048, 32, 8, 8192, tie_embeddings=True, rope_factor=32.0,
-                          **_LLAMA3),
-    "llama3.2-3b": _llama(28, 3072, 24, 8, 8192, tie_embeddings=True, rope_factor=32.0,
-                          **_LLAMA3),
-    "llama3.1-8b": _llama(32, 4096, 32, 8, 14336, rope_factor=8.0, **_LLAMA3),
-    "mistral-demo": _llama(4, 192, 4, 2, 512, vocabulary_size=2000, max_sequence_length=128,
-                           sliding_window=32),
-    "qwen2-demo": _llama(4, 192, 4, 2, 512, vocabulary_size=2000, tie_embeddings=True,
-                         **dict(_QWEN2, max_sequence_length=128)),
-    "mistral-7b": _llama(32, 4096, 32, 8, 14336, vocabulary_size=32000,
-                         max_sequence_length=32768, sliding_window=4096),
-    "qwen2-0.5b": _llama(24, 896, 14, 2, 4864, vocabulary_size=151936, tie_embeddings=True,
-                         **_QWEN2),
-    "qwen2-1.5b": _llama(28, 1536, 12, 2, 8960, vocabulary_size=151936, tie_embeddings=True,
-                         **_QWEN2),
-    "qwen2-7b": _llama(28, 3584, 28, 4, 18944, vocabulary_size=152064, **_QWEN2),
-    "gptj-demo": _gptj(4, 192, 4, 16, vocabulary_size=2000, max_sequence_length=128),
-    "gptj-6b": _gptj(28, 4096, 16, 64, vocabulary_size=50400, max_sequence_length=2048),
-    "gpt-neo-demo": _neo(4, 192, 4, vocabulary_size=2000, max_sequence_length=128,
-                         sliding_window=32),
-    "gpt-neo-125m": _neo(12, 768, 12),
-    "gpt-neo-1.3b": _neo(24, 2048, 16),
-    "gpt-neo-2.7b": _neo(32, 2560, 20),
-    "pythia-demo": _pythia(4, 192, 4, vocabulary_size=2000, max_sequence_length=128),
-    "pythia-70m": _pythia(6, 512, 8),
-    "pythia-160m": _pythia(12, 768, 12),
-    "pythia-410m": _pythia(24, 1024, 16),
-    "pythia-1b": _pythia(16, 2048, 8),
-    "pythia-1.4b": _pythia(24, 2048, 16),
-    "pythia-2.8b": _pythia(32, 2560, 32),
-    "pythia-6.9b": _pythia(32, 4096, 32, vocabulary_size=50432),
-    "pythia-12b": _pythia(36, 5120, 40, vocabulary_size=50688),
-}
+    name: fields for family in DECODER_FAMILIES.values()
+    for name, fields in _completed(GPTConfig, family.presets).items()}
 
 # Parameter counts of the backbones (embeddings, blocks, pooler; no
 # pretraining heads), asserted as exact integers in tests/test_bert.py and
@@ -585,7 +498,7 @@ def _import_class(path):
 FAMILIES = {
     family.name: family
     for family in (
-        Family("gpt", GPTConfig, {**GPT_PRESETS, **DECODER_PRESETS}, ("clm", "sft"),
+        Family("gpt", GPTConfig, DECODER_PRESETS, ("clm", "sft"),
                "tfgpt.models.gpt:GPT", "tfgpt.models.gpt:GPT"),
         Family("bert", BertConfig, BERT_PRESETS, ("mlm+nsp", "mlm"),
                "tfgpt.models.bert:BertBackbone", "tfgpt.models.bert:Bert"),

@@ -43,6 +43,15 @@ class ActivatedDense(keras.layers.Dense):
         self.activation_name = activation
         self.adapter_rank = 0  # no adapter (`enable_adapter`)
 
+    @property
+    def base_kernel(self):
+        """The kernel variable itself, which an adapter leaves frozen and merging adds to.
+
+        (`kernel` is what the matmul reads: Keras computes it for a
+        quantized layer or under its own `enable_lora`.)
+        """
+        return self._kernel
+
     def enable_adapter(self, rank, alpha, dropout=0.0):
         """Adds a low-rank adapter (LoRA, Hu et al. 2021) and freezes the layer's own weights.
 
@@ -62,7 +71,7 @@ class ActivatedDense(keras.layers.Dense):
             raise ValueError(
                 "An adapter needs rank >= 1, alpha > 0 and dropout in [0, 1). "
                 f"Received: rank={rank}, alpha={alpha}, dropout={dropout} ({self.name})")
-        fan_in = self._kernel.shape[0]
+        fan_in = self.base_kernel.shape[0]
         self._tracker.unlock()
         # PEFT's kaiming_uniform_(a=sqrt(5)): bound = 1 / sqrt(fan_in).
         bound = 1.0 / fan_in ** 0.5
@@ -75,7 +84,7 @@ class ActivatedDense(keras.layers.Dense):
         self.adapter_dropout = keras.layers.Dropout(dropout, dtype=self.dtype_policy,
                                                     name="adapter_dropout")
         self._tracker.lock()
-        self._kernel.trainable = False
+        self.base_kernel.trainable = False
         if self.bias is not None:
             self.bias.trainable = False
         self.adapter_rank, self.adapter_scale = rank, alpha / rank

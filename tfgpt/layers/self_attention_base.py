@@ -4,7 +4,7 @@ import tensorflow as tf
 
 from tfgpt.config.checks import require_divisible
 from tfgpt.layers.configured_layer import ConfiguredLayer, normal_initializer
-from tfgpt.parallel.tensor_parallel import current_slice
+from tfgpt.parallel.tensor_parallel import SPLIT_RULES, current_slice
 
 # The score of a key a query may not attend to: a large finite negative
 # rather than -inf, so that a row with no such key (a padding query) gives a
@@ -62,13 +62,11 @@ class SelfAttentionBase(ConfiguredLayer):
         whole = (self.hidden_dim, groups * heads * self.head_dim)
         local = self._local(heads, "num_key_value_heads" if heads != self.num_heads
                             else "num_heads")
-        dense = self._dense(
+        return self._dense(
             groups * local * self.head_dim, name,
-            self.tensor_slice.initializer(initializer, whole, (1, groups)), use_bias=use_bias,
+            self.tensor_slice.initializer(initializer, whole, SPLIT_RULES[f"{name}/kernel"]),
+            use_bias=use_bias,
         )
-        self.tensor_slice.mark_split(dense, kernel=(1, groups),
-                                     **({"bias": (0, groups)} if use_bias else {}))
-        return dense
 
     def _heads_input(self, inputs):
         """The input of the projection to the heads: f, under a tensor slice."""
@@ -77,11 +75,10 @@ class SelfAttentionBase(ConfiguredLayer):
     def _add_output_layers(self, initializer=None):
         initializer = self.tensor_slice.initializer(
             initializer or normal_initializer(), (self.num_heads * self.head_dim, self.hidden_dim),
-            (0, 1))
+            SPLIT_RULES["output_projection/kernel"])
         self.output_projection = self._dense(self.hidden_dim, "output_projection", initializer,
                                              use_bias=self.output_bias)
         self.attention_dropout = self._dropout(self.dropout, "attention_dropout")
-        self.tensor_slice.mark_split(self.output_projection, kernel=(0, 1))
         if self.dropout > 0:
             self.tensor_slice.seed_dropout(self.attention_dropout)
 

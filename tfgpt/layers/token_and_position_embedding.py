@@ -4,7 +4,7 @@ import keras
 import tensorflow as tf
 
 from tfgpt.layers.configured_layer import ConfiguredLayer, normal_initializer
-from tfgpt.parallel.tensor_parallel import current_slice
+from tfgpt.parallel.tensor_parallel import SPLIT_RULES, current_slice
 
 
 @keras.saving.register_keras_serializable(package="tfgpt")
@@ -49,9 +49,9 @@ class TokenAndPositionEmbedding(ConfiguredLayer):
         self.token_embedding = self._embedding(
             self.tensor_slice.rows(vocabulary_size, "vocabulary_size")[1], hidden_dim,
             "token_embedding",
-            self.tensor_slice.initializer(initializer, (vocabulary_size, hidden_dim), (0, 1)),
+            self.tensor_slice.initializer(initializer, (vocabulary_size, hidden_dim),
+                                          SPLIT_RULES["token_embedding/embeddings"]),
         )
-        self.tensor_slice.mark_split(self.token_embedding, embeddings=(0, 1))
         self.position_embedding = self._embedding(
             max_sequence_length, hidden_dim, "position_embedding", initializer
         ) if learned_positions else None

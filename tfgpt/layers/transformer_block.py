@@ -9,7 +9,7 @@ from tfgpt.layers.causal_self_attention import CausalSelfAttention
 from tfgpt.layers.configured_layer import ConfiguredLayer, normal_initializer
 from tfgpt.layers.rms_norm import RMSNorm
 from tfgpt.layers.self_attention import SelfAttention
-from tfgpt.parallel.tensor_parallel import current_slice
+from tfgpt.parallel.tensor_parallel import SPLIT_RULES, current_slice
 
 # The block's attention, by the name its `attention` argument takes.
 ATTENTION_LAYERS = {"causal": CausalSelfAttention, "bidirectional": SelfAttention}
@@ -139,10 +139,12 @@ class TransformerBlock(ConfiguredLayer):
                                  else self._norm("feedforward_norm"))
         self.tensor_slice = current_slice()
         self.local_intermediate = self.tensor_slice.rows(intermediate_dim, "intermediate_dim")[1]
+        # The gate's rule is the intermediate's (`SPLIT_RULES`).
         intermediate_initializer = self.tensor_slice.initializer(
-            initializer, (hidden_dim, intermediate_dim), (1, 1))
+            initializer, (hidden_dim, intermediate_dim),
+            SPLIT_RULES["feedforward_intermediate/kernel"])
         output_initializer = self.tensor_slice.initializer(
-            initializer, (intermediate_dim, hidden_dim), (0, 1))
+            initializer, (intermediate_dim, hidden_dim), SPLIT_RULES["feedforward_output/kernel"])
         gated = feedforward == "gated"
         # Gated: the activation acts on the gate, the intermediate multiplies it.
         self.feedforward_gate = self._dense(
@@ -160,11 +162,6 @@ class TransformerBlock(ConfiguredLayer):
         self.feedforward_output = self._dense(hidden_dim, "feedforward_output", output_initializer,
                                               use_bias=feedforward_bias)
         self.feedforward_dropout = self._dropout(dropout, "feedforward_dropout")
-        column = {"kernel": (1, 1), **({"bias": (0, 1)} if feedforward_bias else {})}
-        for layer in (self.feedforward_gate, self.feedforward_intermediate):
-            if layer is not None:
-                self.tensor_slice.mark_split(layer, **column)
-        self.tensor_slice.mark_split(self.feedforward_output, kernel=(0, 1))
 
     def _norm(self, name):
         if self.norm == "rms":
@@ -281,7 +278,7 @@ class TransformerBlock(ConfiguredLayer):
 def set_recompute(model, enabled):
     """Turns activation recomputation on or off in every TransformerBlock of
     `model`; returns how many blocks there are (0: the option does nothing)."""
-    blocks = [layer for layer in model._flatten_layers() if isinstance(layer, TransformerBlock)]
+    blocks = [layer for layer in model.sublayers() if isinstance(layer, TransformerBlock)]
     for block in blocks:
         block.recompute = enabled
     return len(blocks)

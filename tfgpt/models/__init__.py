@@ -1,17 +1,20 @@
-"""tfgpt models: backbones with their heads."""
+"""tfgpt models: backbones with their heads, and the decoder families' folders.
 
-from tfgpt.models.albert import Albert, AlbertBackbone
-from tfgpt.models.bert import Bert, BertBackbone
-from tfgpt.models.gpt import GPT
-from tfgpt.models.sequence_classifier import SequenceClassifier
-from tfgpt.models.span_question_answerer import SpanQuestionAnswerer
+The model classes load on first use (`tfgpt.lazy`): the families' folders
+(`tfgpt.models.llama`, ...) hold presets that `tfgpt.config` reads without
+importing TensorFlow.
+"""
 
-__all__ = [
-    "GPT",
-    "Albert",
-    "AlbertBackbone",
-    "Bert",
-    "BertBackbone",
-    "SequenceClassifier",
-    "SpanQuestionAnswerer",
-]
+from tfgpt.lazy import lazy_exports
+
+_MODULES = {
+    "tfgpt.models.albert": ("Albert", "AlbertBackbone"),
+    "tfgpt.models.bert": ("Bert", "BertBackbone"),
+    "tfgpt.models.gpt": ("GPT",),
+    "tfgpt.models.sequence_classifier": ("SequenceClassifier",),
+    "tfgpt.models.span_question_answerer": ("SpanQuestionAnswerer",),
+}
+_EXPORTS = {name: module for module, names in _MODULES.items() for name in names}
+__all__ = list(_EXPORTS)
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

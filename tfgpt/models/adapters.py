@@ -41,7 +41,7 @@ DEFAULT_TARGETS = ("query_key_value", "query", "key_value", "output_projection")
 
 def _projections(model):
     """`[(name, layer)]` of the model's projections that can take an adapter, in model order."""
-    return [(layer.name, layer) for layer in model._flatten_layers()
+    return [(layer.name, layer) for layer in model.sublayers()
             if isinstance(layer, ActivatedDense) and layer.name in TARGETS]
 
 
@@ -100,7 +100,7 @@ def merged(model):
     plain = type(model).from_config(model.get_config())
     source = {entry.key: entry.variable for entry in model_entries(model)}
     names = key_names(model)
-    deltas = {relative_key(layer._kernel, names): layer.adapter_delta()
+    deltas = {relative_key(layer.base_kernel, names): layer.adapter_delta()
               for layer in adapted_layers(model)}
     for entry in model_entries(plain):
         value = source[entry.key]

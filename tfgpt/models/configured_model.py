@@ -5,8 +5,10 @@ import inspect
 
 import keras
 
+from tfgpt.models.layer_tree import LayerTree
 
-class ConfiguredModel(keras.Model):
+
+class ConfiguredModel(LayerTree, keras.Model):
     """Base of the models built from a config dataclass (`config_class`).
 
     The constructor takes the config's fields as keyword arguments, plus

@@ -4,6 +4,7 @@ import keras
 
 from tfgpt.models.encoder_backbone import EncoderBackbone
 from tfgpt.models.encoder_inputs import pack_encoder_inputs, unpack_encoder_inputs
+from tfgpt.models.layer_tree import LayerTree
 
 
 def check_encoder_backbone(backbone):
@@ -16,7 +17,7 @@ def check_encoder_backbone(backbone):
         )
 
 
-class EncoderTaskModel(keras.Model):
+class EncoderTaskModel(LayerTree, keras.Model):
     """A task head on a BERT or ALBERT backbone, usually a pretrained one.
 
     The backbone is a constructor argument (attribute `backbone`), saved

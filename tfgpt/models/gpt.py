@@ -8,7 +8,7 @@ from tfgpt.config import GPTConfig
 from tfgpt.layers.token_and_position_embedding import TokenAndPositionEmbedding
 from tfgpt.models.block_stack import BlockStack
 from tfgpt.models.configured_model import ConfiguredModel
-from tfgpt.parallel.tensor_parallel import current_slice
+from tfgpt.parallel.tensor_parallel import SPLIT_RULES, current_slice
 
 
 @keras.saving.register_keras_serializable(package="tfgpt")
@@ -33,6 +33,12 @@ class GPT(BlockStack, ConfiguredModel):
     block and of the vocabulary, and returns the logits of its own
     `vocabulary_size / T` ids (B, T, V/T): the loss takes them as they
     are (`TensorSlice.cross_entropy`), the logits are never gathered.
+
+    The decoder interface, which `call` runs in a row and pipeline stages
+    (`tfgpt.parallel.pipeline_stage`) run piece by piece: `embed(token_ids)`
+    (B, T, C), the `blocks` (`TransformerBlock`s), `final_norm` (None after
+    post-norm blocks) and `logits(hidden)` (B, T, V); `empty_cache` sizes
+    the key/value cache by the key-value heads.
 
     Args:
         The fields of `tfgpt.config.GPTConfig`, as keyword arguments, and
@@ -92,11 +98,9 @@ class GPT(BlockStack, ConfiguredModel):
                 use_bias=config.lm_head_bias,
                 kernel_initializer=self.tensor_slice.initializer(
                     keras.initializers.RandomNormal(stddev=0.02),
-                    (self.hidden_dim, self.vocabulary_size), (1, 1)),
+                    (self.hidden_dim, self.vocabulary_size), SPLIT_RULES["lm_head/kernel"]),
                 dtype=policy, name="lm_head",
             )
-            self.tensor_slice.mark_split(self.lm_head, kernel=(1, 1),
-                                         **({"bias": (0, 1)} if config.lm_head_bias else {}))
         self.build((None, None))
 
     def build(self, input_shape):
@@ -132,9 +136,8 @@ class GPT(BlockStack, ConfiguredModel):
             positions: optional explicit positions (B, T) for left padding.
             training: bool. Enables dropout.
         """
-        x = self.embeddings(
-            token_ids, start_index=cache_index, positions=positions, training=training
-        )  # (B, T, C)
+        x = self.embed(token_ids, start_index=cache_index, positions=positions,
+                       training=training)  # (B, T, C)
         # Rotary positions enter each attention: its default, from cache_index, or these.
         rotary = {} if positions is None else {"positions": positions}
         per_layer = isinstance(cache, (list, tuple))
@@ -154,14 +157,25 @@ class GPT(BlockStack, ConfiguredModel):
                 new_caches.append(layer_cache)
         if self.final_norm is not None:
             x = self.final_norm(x)
-        logits = self._project_to_vocabulary(x)  # (B, T, V)
+        logits = self.logits(x)  # (B, T, V)
         if per_layer:
             return logits, new_caches  # L x (B, 2, H, S, D) or L x 2 x (B, H, S, D)
         if cache is not None:
             return logits, tf.stack(new_caches, axis=1)  # (B, L, 2, H, S, D)
         return logits
 
-    def _project_to_vocabulary(self, x):
+    def embed(self, token_ids, start_index=0, positions=None, training=None):
+        """The hidden states (B, T, C) the first block reads: the embeddings of
+        `token_ids` (B, T), with the learned positions' from `start_index`
+        (or explicit `positions` (B, T)) when the model has a position table."""
+        return self.embeddings(token_ids, start_index=start_index, positions=positions,
+                               training=training)
+
+    def logits(self, x):
+        """float32 logits (B, T, V) of the final norm's output `x` (B, T, C): the
+        projection onto the vocabulary, the token table's transpose when tied.
+        Built in a tensor slice, this slice's V/T ids (`TensorSlice.cross_entropy`
+        takes them as they are)."""
         x = self.tensor_slice.copy_to_group(x)  # f: each slice of the vocabulary reads it whole
         if self.lm_head is not None:
             logits = self.lm_head(x)

@@ -111,7 +111,7 @@ class PipelineStage:
         `inputs` are token ids (B, T) on stage 0, hidden states after.
         """
         start, end = self.ranges[stage]
-        x = self.model.embeddings(inputs, training=training) if stage == 0 else inputs  # (B, T, C)
+        x = self.model.embed(inputs, training=training) if stage == 0 else inputs  # (B, T, C)
         for block in self.model.blocks[start:end]:
             x = block(x, training=training)
         if stage != self.last:
@@ -119,7 +119,7 @@ class PipelineStage:
         if self.model.final_norm is not None:
             x = self.model.final_norm(x)
         # Under tensor parallelism the logits are this slice's part of the vocabulary.
-        return cross_entropy(targets, self.model._project_to_vocabulary(x),
+        return cross_entropy(targets, self.model.logits(x),
                              tensor_slice=self.model.tensor_slice)
 
     def owned_variables(self, stage):

@@ -27,10 +27,13 @@ another all-reduce, and double every gradient.) With these, replicated
 parameters get the same gradient on every rank of a group, so gradients
 are averaged over the data group only.
 
-The layers take their slice when they are built inside `slice_scope`;
-outside it (and for T = 1) they hold `WHOLE`, whose operators are the
-plain ones, so a layer runs one code path at every T and the model code
-never asks whether it is split.
+Which weights are split, and how, is data (`SPLIT_RULES`, by the layer
+and variable names that end a variable's path), read by the layers when
+they are built and by `split_rules` (ZeRO, the checkpoint, the pipeline's
+gradient norm) from the variables' paths. The layers take their slice when
+they are built inside `slice_scope`; outside it (and for T = 1) they hold
+`WHOLE`, whose operators are the plain ones, so a layer runs one code path
+at every T and the model code never asks whether it is split.
 
 Example (under `horovodrun -np 2`):
 >>> tensor_slice = TensorSlice(hvd, process_set, size=2, index=hvd.rank())
@@ -45,6 +48,24 @@ import numpy as np
 import tensorflow as tf
 
 from tfgpt import kernels
+
+# Megatron-LM's layout as data: the weights a tensor slice cuts, keyed by the layer and
+# variable names that end their path (`gpt/block_0/attention/query_key_value/kernel`), and how:
+# `(axis, groups)` (`take_slice`). The one decoder block serves every decoder family
+# (`tfgpt.models.decoder_families`), so this one table is every family's. Every other weight
+# (norms, position table, the row-parallel layers' biases) is replicated.
+SPLIT_RULES = {
+    "token_embedding/embeddings": (0, 1),  # the vocabulary's rows
+    # Column-parallel: the heads' columns of q, k and v (3 groups), of q, of k and v (2).
+    "query_key_value/kernel": (1, 3), "query_key_value/bias": (0, 3),
+    "query/kernel": (1, 1), "query/bias": (0, 1),
+    "key_value/kernel": (1, 2), "key_value/bias": (0, 2),
+    "output_projection/kernel": (0, 1),  # row-parallel: the heads' rows
+    "feedforward_gate/kernel": (1, 1), "feedforward_gate/bias": (0, 1),
+    "feedforward_intermediate/kernel": (1, 1), "feedforward_intermediate/bias": (0, 1),
+    "feedforward_output/kernel": (0, 1),
+    "lm_head/kernel": (1, 1), "lm_head/bias": (0, 1),  # the vocabulary's columns
+}
 
 # Added to the seed of a dropout in a split region (attention
 # probabilities) times the slice index, so each slice draws its own masks
@@ -66,9 +87,6 @@ class WholeSlice:
 
     def initializer(self, initializer, whole_shape, rule):
         return initializer
-
-    def mark_split(self, layer, **rules):
-        """Nothing is split: `split_rules` finds no rule."""
 
     def copy_to_group(self, x):
         return x
@@ -179,15 +197,18 @@ def sliced_initializer(initializer, tensor_slice, whole_shape, rule):
     return initialize
 
 
+def split_rule(path):
+    """The `SPLIT_RULES` rule of the variable at `path` when built in slices, or None."""
+    return SPLIT_RULES.get("/".join(path.split("/")[-2:]))
+
+
 def split_rules(model):
-    """`{id(variable): rule}` of the split variables of a model built in slices."""
-    rules = {}
-    for layer in model._flatten_layers():
-        for name, rule in getattr(layer, "tensor_split", {}).items():
-            variable = getattr(layer, name, None)
-            if variable is not None:
-                rules[id(variable)] = rule
-    return rules
+    """`{id(variable): rule}` of the split variables of a model built in slices
+    (none for a whole model)."""
+    if getattr(model, "tensor_slice", WHOLE).size == 1:
+        return {}
+    return {id(variable): split_rule(variable.path) for variable in model.variables
+            if split_rule(variable.path) is not None}
 
 
 def check_sizes(tensor, model_config):
@@ -216,7 +237,7 @@ def check_sizes(tensor, model_config):
 
 def split_seed_states(model):
     """The seed states of the dropouts in split regions (each slice offsets its own)."""
-    return [layer.seed_generator.state for layer in model._flatten_layers()
+    return [layer.seed_generator.state for layer in model.sublayers()
             if getattr(layer, "split_region", False)]
 
 
@@ -251,10 +272,6 @@ class TensorSlice:
     def initializer(self, initializer, whole_shape, rule):
         """`sliced_initializer` of this slice."""
         return sliced_initializer(initializer, self, whole_shape, rule)
-
-    def mark_split(self, layer, **rules):
-        """Records on `layer` which of its weights are split, by attribute name: `rule`s."""
-        layer.tensor_split = rules
 
     def _reduce(self, x, op):
         # Horovod's CPU reductions take float32, not bfloat16.

@@ -466,7 +466,7 @@ class ZeroSharding:
 
         index_of = {id(variable): index for index, variable in enumerate(self.variables)}
         in_blocks = set()
-        for layer in self.model._flatten_layers():
+        for layer in self.model.sublayers():
             if isinstance(layer, TransformerBlock):
                 indices = [index_of[id(v)] for v in layer.trainable_variables]
                 in_blocks.update(indices)
@@ -490,8 +490,8 @@ class ZeroSharding:
             return
         for variable, value in zip(self.variables, self.gather_weights()):
             variable._initialize(value)
-        for layer in self.model._flatten_layers():
-            if getattr(layer, "weights_scope", None) is not None:
+        for layer in self.model.sublayers():
+            if isinstance(layer, TransformerBlock):
                 layer.weights_scope = None
         self._rest = []
 
