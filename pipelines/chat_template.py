@@ -181,10 +181,17 @@ def _token_text(value):
 def load_chat_template(path: Optional[str]) -> Optional[ChatTemplate]:
     """The chat template of `path`: a Jinja file, or a directory holding
     `chat_template.jinja` or a `tokenizer_config.json` with one (a Hugging
-    Face checkpoint, or a tfgpt run or data directory); None when it has
-    none. Special tokens come from the `tokenizer_config.json` beside it."""
+    Face checkpoint), or a tfgpt run whose `config.json` keeps the one its
+    data was prepared with; None when it has none. Special tokens come from
+    the `tokenizer_config.json` beside it."""
     if path is None:
         return None
+    run_config = os.path.join(path, "config.json")
+    if os.path.isfile(run_config):
+        with open(run_config, encoding="utf-8") as file:
+            spec = json.load(file).get("chat_template")
+        if isinstance(spec, dict):
+            return ChatTemplate(**spec)
     if os.path.basename(path) == "tokenizer_config.json":
         directory, jinja_file = os.path.dirname(path), None
     elif os.path.isfile(path):
@@ -208,3 +215,8 @@ def load_chat_template(path: Optional[str]) -> Optional[ChatTemplate]:
     if isinstance(source, str):
         return ChatTemplate(source, special, where=config_file)
     return None
+
+
+def chat_template_of(path: Optional[str]) -> ChatTemplate:
+    """`load_chat_template(path)`, else the default template."""
+    return load_chat_template(path) or ChatTemplate(DEFAULT_TEMPLATE)

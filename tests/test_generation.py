@@ -241,3 +241,30 @@ def test_every_cache_form_gives_the_same_logits(model):
             steps.append(logits.numpy())
         assert np.abs(np.concatenate(steps, axis=1) - full).max() < ATOL, name
         assert type(cache) is type(forms[name])
+
+
+def test_chat_conversations_take_the_system_turn_the_history_and_each_prompt(tmp_path):
+    from tfgpt import generate
+
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    (tmp_path / "turns.json").write_text(json.dumps(history))
+    args = generate.parse_args(["--checkpoint", "x", "--chat", "--system", "Be brief.",
+                                "--messages", str(tmp_path / "turns.json"), "--prompt", "a",
+                                "--prompt", "b"])
+    system = [{"role": "system", "content": "Be brief."}]
+    assert generate.conversations(args) == [
+        system + history + [{"role": "user", "content": "a"}],
+        system + history + [{"role": "user", "content": "b"}]]
+    # The history alone, continued by the model's reply.
+    args = generate.parse_args(["--checkpoint", "x", "--chat", "--messages",
+                                str(tmp_path / "turns.json")])
+    assert generate.conversations(args) == [history]
+    (tmp_path / "bad.json").write_text(json.dumps([{"role": "bot", "content": "?"}]))
+    args = generate.parse_args(["--checkpoint", "x", "--chat", "--messages",
+                                str(tmp_path / "bad.json")])
+    with pytest.raises(ValueError, match=r'bad.json: expected a JSON list of \{"role", '
+                                         r'"content"\} with roles system, user, assistant'):
+        generate.conversations(args)
+    for flags in (["--system", "s", "--prompt", "p"], ["--chat"]):
+        with pytest.raises(SystemExit):
+            generate.parse_args(["--checkpoint", "x", *flags])

@@ -398,3 +398,48 @@ def test_an_adapter_run_stopped_and_resumed_equals_the_uninterrupted_one(tmp_pat
     resumed, _ = _train([*common, "--out", str(tmp_path / "resumed"), "--resume"])
     for mine, theirs in zip(resumed.weights, straight.weights):
         np.testing.assert_array_equal(mine.numpy(), theirs.numpy(), err_msg=mine.path)
+
+
+# A template short enough for TINY's 16 tokens: "X Y =" asks, " Y X." answers.
+SHORT_TEMPLATE = ("{% for m in messages %}{% if m.role == 'user' %}{{ m.content }} ="
+                  "{% elif m.role == 'assistant' %} {{ m.content }}.{% endif %}{% endfor %}")
+
+
+def test_a_chat_fine_tune_learns_its_replies_and_generate_chat_prints_one(tmp_path, tiny_data,
+                                                                          capsys):
+    from pipelines.chat_template import ChatTemplate
+    from tfgpt import generate
+    from tfgpt.loading import load_model
+
+    pretrained = tmp_path / "pretrained"
+    _train(["--data", str(tiny_data), "--out", str(pretrained), "--steps", "4", *TINY])
+    (tmp_path / "short.jinja").write_text(SHORT_TEMPLATE)
+    words = WORDS[:8]
+    chats = [{"messages": [{"role": "user", "content": f"{word} {other}"},
+                           {"role": "assistant", "content": f"{other} {word}"}]}
+             for word in words for other in words]
+    code, data = _prepare(tmp_path, tiny_data, chats, "--chat-template",
+                          str(tmp_path / "short.jinja"))
+    assert code == 0
+    common = ["--data", str(data), "--task", "sft", "--init", str(pretrained), *TINY[-8:]]
+    _, before = _train([*common, "--out", str(tmp_path / "still"), "--steps", "1",
+                        "--learning-rate", "1e-30"])
+    _, after = _train([*common, "--out", str(tmp_path / "tuned"), "--steps", "40",
+                       "--learning-rate", "0.02"])
+    assert after["val_loss"] < before["val_loss"] - 0.5, (before["val_loss"], after["val_loss"])
+    config = json.loads((tmp_path / "tuned" / "config.json").read_text())
+    assert config["chat_template"]["source"] == SHORT_TEMPLATE
+
+    capsys.readouterr()
+    generate.main(["--checkpoint", str(tmp_path / "tuned"), "--chat", "--prompt", "cat mat",
+                   "--max-new-tokens", "6"])
+    printed = capsys.readouterr().out.strip()
+    # The oracle: the reply to the rendered conversation, cut at the end of its turn.
+    model, tokenizer = load_model(str(tmp_path / "tuned"))
+    prompt = ChatTemplate(SHORT_TEMPLATE).render([{"role": "user", "content": "cat mat"}],
+                                                 add_generation_prompt=True)
+    assert prompt == "cat mat ="
+    reply = tokenizer.decode(model.generate([tokenizer.encode(prompt)], 6,
+                                            stop_token_ids=[tokenizer.eos_id])[0])
+    assert printed == reply.split(".")[0].strip() and printed and "=" not in printed, (
+        printed, reply)

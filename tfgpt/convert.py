@@ -15,7 +15,8 @@ Usage:
     python -m tfgpt.convert to-tfgpt GPT2_DIR OUTPUT_DIR
     python -m tfgpt.convert to-gpt2 TFGPT_DIR OUTPUT_DIR
 
-`to-tfgpt` writes a tfgpt run directory (config.json, ckpt-0, tokenizer);
+`to-tfgpt` writes a tfgpt run directory (config.json, with the source's chat
+template if it has one, ckpt-0, tokenizer);
 `to-gpt2` writes `config.json`, `model.safetensors` and, when the source has
 a GPT-2 tokenizer, `vocab.json` and `merges.txt`. Reading safetensors needs
 only the `safetensors` package; `pytorch_model.bin` needs PyTorch.
@@ -79,8 +80,11 @@ def main(argv=None):
     from tfgpt import loading
 
     if args.command == "to-tfgpt":  # any decoder tfgpt.loading reads
+        from pipelines.chat_template import load_chat_template
+
         model, tokenizer = loading.load_model(args.source)
-        loading.save_model(args.output, model, tokenizer)
+        loading.save_model(args.output, model, tokenizer,
+                           chat_template=load_chat_template(args.source))
     else:
         model, tokenizer = loading.load_model(args.source)
         if tokenizer is not None and not isinstance(tokenizer, BytePairTokenizer):

@@ -10,9 +10,20 @@ Usage:
 The text (prompt and continuation) goes to stdout; timings and tokens/s go
 to stderr. Generation stops at the tokenizer's end-of-text id unless
 `--ignore-eos` is given. Greedy unless `--temperature` is above 0.
+
+With `--chat`, each prompt is a user's turn of a conversation (after
+`--system`, and after the turns of `--messages FILE`, a JSON list of
+`{"role", "content"}`), rendered with the model's chat template (the one
+its instruction data was prepared with, a Hugging Face directory's, else
+ChatML's turns: `pipelines.chat_template`); only the reply is printed, cut
+at the template's end-of-turn marker:
+
+    python -m tfgpt.generate --checkpoint runs/sft --chat --system "Be brief." \
+        --prompt "What does len() return?"
 """
 
 import argparse
+import json
 import sys
 import time
 
@@ -46,8 +57,23 @@ def parse_args(argv=None):
         help="a tfgpt run directory or a Hugging Face GPT-2 directory",
     )
     parser.add_argument(
-        "--prompt", action="append", required=True, metavar="TEXT",
-        help="text to continue; repeat the flag to generate for several prompts in one batch",
+        "--prompt", action="append", metavar="TEXT",
+        help="text to continue (with --chat: a user's turn); repeat the flag to generate for "
+        "several prompts in one batch (required unless --chat --messages)",
+    )
+    parser.add_argument(
+        "--chat", action="store_true",
+        help="render each prompt as a conversation with the model's chat template and print "
+        "the reply alone",
+    )
+    parser.add_argument(
+        "--system", metavar="TEXT",
+        help="with --chat: a system turn before the conversation",
+    )
+    parser.add_argument(
+        "--messages", metavar="FILE",
+        help='with --chat: a JSON list of {"role", "content"} turns: the conversation so far, '
+        "which the prompt (if any) continues",
     )
     parser.add_argument(
         "--max-new-tokens", type=int, default=50, metavar="N",
@@ -70,7 +96,50 @@ def parse_args(argv=None):
     parser.add_argument(
         "--xla", action="store_true", help="compile the decode loop with XLA",
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if not args.chat and (args.system is not None or args.messages is not None):
+        parser.error("--system and --messages are for --chat")
+    if not args.prompt and not (args.chat and args.messages):
+        parser.error("--prompt is required (or --chat --messages FILE)")
+    return args
+
+
+def conversations(args):
+    """`--chat`'s conversations, one per prompt (one without a prompt): the
+    system turn, `--messages`'s turns, then the prompt as a user's turn."""
+    from pipelines.chat_template import ROLES
+
+    history = []
+    if args.system is not None:
+        history.append({"role": "system", "content": args.system})
+    if args.messages is not None:
+        with open(args.messages, encoding="utf-8") as file:
+            try:
+                turns = json.load(file)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"--messages {args.messages}: not JSON ({error})") from None
+        if not isinstance(turns, list) or not all(
+                isinstance(turn, dict) and turn.get("role") in ROLES
+                and isinstance(turn.get("content"), str) for turn in turns):
+            raise ValueError(f"--messages {args.messages}: expected a JSON list of "
+                             f'{{"role", "content"}} with roles {", ".join(ROLES)}')
+        history += turns
+    return [history + [{"role": "user", "content": prompt}] for prompt in args.prompt or []] or [
+        history]
+
+
+def chat_prompts(args, tokenizer, template):
+    """The ids of each `conversations` rendered with `template`, ready for
+    the reply; a template's leading BOS text is left to a tokenizer that
+    puts the BOS id first itself."""
+    prompts = []
+    for messages in conversations(args):
+        text = template.render(messages, add_generation_prompt=True)
+        bos = template.special_tokens.get("bos_token")
+        if bos and text.startswith(bos) and tokenizer.encode(""):
+            text = text[len(bos):]
+        prompts.append(tokenizer.encode(text))
+    return prompts
 
 
 def main(argv=None):
@@ -85,8 +154,13 @@ def main(argv=None):
             "vocab.json and merges.txt"
         )
     eos_id = tokenizer.eos_id if tokenizer.eos_id is not None and tokenizer.eos_id >= 0 else None
-    prompts = []
-    for text in args.prompt:
+    template = None
+    if args.chat:
+        from pipelines.chat_template import chat_template_of
+
+        template = chat_template_of(args.checkpoint)
+    prompts = chat_prompts(args, tokenizer, template) if template else []
+    for text in [] if template else args.prompt:
         ids = tokenizer.encode(text)
         if not ids:
             if eos_id is None:
@@ -119,7 +193,11 @@ def main(argv=None):
     for index, (prompt, continuation) in enumerate(zip(prompts, new_ids)):
         if index:
             print("-" * 40)
-        print(tokenizer.decode(prompt + continuation))
+        if template is None:
+            print(tokenizer.decode(prompt + continuation))
+            continue
+        reply, end = tokenizer.decode(continuation), template.end_of_turn()
+        print(reply[:reply.index(end)] if end and end in reply else reply)
     count = sum(len(row) for row in new_ids)
     print(
         f"[generate] {count} new tokens for {len(prompts)} prompt(s) in {elapsed:.2f} s: "

@@ -77,16 +77,20 @@ def load_model(directory, dtype=None):
     return model, tokenizer
 
 
-def save_model(directory, model, tokenizer=None):
+def save_model(directory, model, tokenizer=None, chat_template=None):
     """Writes `model` as a tfgpt run directory that `load_model` reads.
 
-    `config.json` holds the model's GPTConfig under `"model"` and the weights
-    go to `ckpt-0`, as a one-process run writes them (`tfgpt.checkpoint`);
-    a `BytePairTokenizer` is saved as `vocab.json` and `merges.txt`, a
-    SentencePiece one as `tokenizer.model`.
+    `config.json` holds the model's GPTConfig under `"model"` (and the
+    `pipelines.chat_template.ChatTemplate` `chat_template`, if given, under
+    `"chat_template"`) and the weights go to `ckpt-0`, as a one-process run
+    writes them (`tfgpt.checkpoint`); a `BytePairTokenizer` is saved as
+    `vocab.json` and `merges.txt`, a SentencePiece one as `tokenizer.model`.
     """
     fields = {field.name: getattr(model, field.name) for field in dataclasses.fields(GPTConfig)}
-    write_run_files(directory, {"model": fields})
+    record = {"model": fields}
+    if chat_template is not None:
+        record["chat_template"] = chat_template.spec()
+    write_run_files(directory, record)
     save_weights(directory, model)
     if isinstance(tokenizer, BytePairTokenizer):
         tokenizer.save(directory)

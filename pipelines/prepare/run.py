@@ -12,12 +12,7 @@ import os
 import time
 from typing import Callable, Optional, Sequence
 
-from pipelines.chat_template import (
-    DEFAULT_TEMPLATE,
-    TEMPLATE_FILE,
-    ChatTemplate,
-    load_chat_template,
-)
+from pipelines.chat_template import TEMPLATE_FILE, chat_template_of, load_chat_template
 from pipelines.errors import DataError
 from pipelines.files import write_atomically
 from pipelines.manifest import (
@@ -73,7 +68,7 @@ def _chat_template(path, tokenizer_path):
         return template
     directory = (tokenizer_path if tokenizer_path and os.path.isdir(tokenizer_path)
                  else os.path.dirname(tokenizer_path or ""))
-    return load_chat_template(directory or None) or ChatTemplate(DEFAULT_TEMPLATE)
+    return chat_template_of(directory or None)
 
 
 def _check_byte_count(name: str, value) -> None:

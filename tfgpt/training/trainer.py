@@ -300,6 +300,8 @@ def train(train_config, model_overrides, distribution, callbacks=()):
         "data": {"seq_len": sequence_length, "directory": os.path.abspath(train_config.data)},
         "workers": distribution.num_workers,
         "replicas": distribution.size,
+        # Instruction data's chat template: what `tfgpt.generate --chat` renders with.
+        **{key: manifest[key] for key in ("chat_template",) if key in manifest},
     }
     if elastic:
         metrics = _train_elastic(
