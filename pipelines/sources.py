@@ -36,8 +36,8 @@ each JSON line is one example, `{"prompt": ..., "completion": ...}` (the
 completion is what the model learns), `{"messages": [{"role", "content"},
 ...]}` (a conversation rendered with the chat template, its assistant
 turns learned: `pipelines.chat_template`) or `{"text": ...}` (all of it
-learned); the built-in corpus gives one per document, its first sentence
-the prompt and the rest the completion. A document is then
+learned); the built-in corpus gives one conversation per document, its
+first sentence the user's turn and the rest the reply. A document is then
 `example_document(pieces)`, the example's text in pieces, each learned or
 not, which `parse_example_document` reads back. Plain text and TFDS inputs
 have no examples.
@@ -324,13 +324,15 @@ def _example(record, where: str, chat) -> List[Tuple[str, bool]]:
                     f"the keys {sorted(record)[:5]}")
 
 
-def default_corpus_example(document: str) -> Optional[List[Tuple[str, bool]]]:
-    """A built-in corpus document as an example: its first sentence the prompt,
-    the rest the completion (None for a document of one sentence)."""
+def default_corpus_example(document: str, chat) -> Optional[List[Tuple[str, bool]]]:
+    """A built-in corpus document as an example: a conversation rendered with
+    the `chat` template, its first sentence the user's turn and the rest the
+    reply (None for a document of one sentence)."""
     parts = _FIRST_SENTENCE.split(document.strip(), maxsplit=1)
     if len(parts) < 2 or not parts[1].strip():
         return None
-    return [(parts[0] + "\n", False), (parts[1], True)]
+    return chat.segments([{"role": "user", "content": parts[0]},
+                          {"role": "assistant", "content": parts[1]}])
 
 
 class SegmentReader:
@@ -378,7 +380,8 @@ class SegmentReader:
             texts = default_corpus.iter_documents()
             if self.text_key is None:
                 texts = (example_document(example) if example else ""
-                         for example in map(default_corpus_example, texts))
+                         for example in (default_corpus_example(text, self.chat)
+                                         for text in texts))
         elif kind == "tfds":
             texts = self._tfds_texts()
         elif kind in ("jsonl", "jsonl.zst"):

@@ -443,3 +443,14 @@ def test_a_chat_fine_tune_learns_its_replies_and_generate_chat_prints_one(tmp_pa
                                             stop_token_ids=[tokenizer.eos_id])[0])
     assert printed == reply.split(".")[0].strip() and printed and "=" not in printed, (
         printed, reply)
+
+
+def test_a_built_in_corpus_document_is_a_conversation_of_its_first_sentence_and_the_rest():
+    from pipelines.chat_template import DEFAULT_TEMPLATE, ChatTemplate
+    from pipelines.sources import default_corpus_example
+
+    chat = ChatTemplate(DEFAULT_TEMPLATE)
+    assert default_corpus_example("Return the length. It counts items.\n", chat) == [
+        ("<|im_start|>user\nReturn the length.<|im_end|>\n<|im_start|>assistant\n", False),
+        ("It counts items.<|im_end|>\n", True)]
+    assert default_corpus_example("One sentence only.", chat) is None
