@@ -185,6 +185,30 @@ def test_packed_and_unpacked_examples_give_the_same_loss_and_gradients(overrides
     assert np.abs(model(packed[0]).numpy()[0] - logits).max() > 1e-3
 
 
+@pytest.mark.parametrize("xla", [False, True], ids=["graph", "xla"])
+def test_a_train_step_on_packed_and_on_unpacked_examples_makes_the_same_update(xla):
+    import keras
+
+    from tfgpt.parallel import LocalDistribution
+    from tfgpt.training.train_step import TrainStep
+
+    task = InstructionTuning()
+    packed, unpacked = _packed_and_unpacked()
+    results = []
+    for batch in (packed, unpacked):
+        model = _model()
+        step = TrainStep(model, keras.optimizers.SGD(learning_rate=1.0), LocalDistribution(),
+                         loss_fn=task.loss, xla=xla, token_weights=task.token_weights)
+        loss = float(step(*batch)["loss"])
+        results.append((loss, [variable.numpy() for variable in model.trainable_variables]))
+    (packed_loss, packed_weights), (unpacked_loss, unpacked_weights) = results
+    np.testing.assert_allclose(packed_loss, unpacked_loss, rtol=0, atol=1e-6)
+    initial = [variable.numpy() for variable in _model().trainable_variables]
+    for mine, theirs, before in zip(packed_weights, unpacked_weights, initial):
+        np.testing.assert_allclose(mine, theirs, rtol=0, atol=1e-6)
+    assert max(np.abs(mine - before).max() for mine, before in zip(packed_weights, initial)) > 0.01
+
+
 def test_weightless_tokens_get_exactly_zero_gradient_in_a_packed_batch():
     model = _model()
     inputs, targets, weights, segment_ids = _packed_and_unpacked()[0]
