@@ -8,6 +8,14 @@ after them, and whether each target is learned. An example shorter than
 the record is padded with token 0 at weight 0, after its end, where a
 causal model's earlier positions never look, so padding changes no loss.
 
+Packed records (`prepare --pack`) hold several examples each, and a batch
+is `(inputs, targets, weights, segment_ids)`: `segment_ids` (int32,
+`(batch_size, seq_len)`) numbers each input token's example, 1, 2, ... in
+its row, 0 for the padding. The model takes them (`tfgpt.models.GPT`'s
+`segment_ids`): positions restart and attention stays within each example.
+A target in the next example (the first token of an example, after the
+EOS before it) has weight 0: no one predicts an example's first token.
+
 The loss over such batches is the weighted mean of the token losses, over
 the global batch (`tfgpt.training.train_step.TrainStep`'s `token_weights`).
 """
@@ -17,7 +25,7 @@ from typing import Optional
 import tensorflow as tf
 
 from pipelines import reader
-from pipelines.manifest import INSTRUCTION_FEATURES, INSTRUCTION_FORMAT
+from pipelines.manifest import INSTRUCTION_FEATURES, INSTRUCTION_FORMAT, SEGMENT_FEATURE
 
 
 def make_instruction_dataset(
@@ -51,7 +59,8 @@ def make_instruction_dataset(
             worker sharding, equal steps, checkpointable iterators).
 
     Returns:
-        tf.data.Dataset of `(inputs, targets, weights)`; see the module docstring.
+        tf.data.Dataset of `(inputs, targets, weights)`, and `segment_ids`
+        after them for packed records; see the module docstring.
     """
     manifest, num_shards, shard_index = reader.open_data_dir(
         data_dir,
@@ -70,7 +79,9 @@ def make_instruction_dataset(
         skip_corrupt=skip_corrupt, cursor=cursor,
     )
     length = manifest["record_length"]  # seq_len + 1
-    features = {name: tf.io.VarLenFeature(tf.int64) for name in INSTRUCTION_FEATURES}
+    packed = bool(manifest.get("packed"))
+    names = INSTRUCTION_FEATURES + ((SEGMENT_FEATURE,) if packed else ())
+    features = {name: tf.io.VarLenFeature(tf.int64) for name in names}
 
     def pad(values):  # (T',) -> (seq_len + 1,), zeros after the example
         values = tf.cast(values, tf.int32)
@@ -79,9 +90,15 @@ def make_instruction_dataset(
 
     def example(serialized):
         parsed = tf.io.parse_single_example(serialized, features)
-        token_ids, learned = (pad(tf.sparse.to_dense(parsed[name]))
-                              for name in INSTRUCTION_FEATURES)
-        return token_ids[:-1], token_ids[1:], tf.cast(learned[1:], tf.float32)
+        token_ids, learned, *segments = (pad(tf.sparse.to_dense(parsed[name]))
+                                         for name in names)
+        weights = tf.cast(learned[1:], tf.float32)
+        if not packed:
+            return token_ids[:-1], token_ids[1:], weights
+        segment_ids = segments[0]  # (seq_len + 1,)
+        # An example's first token is the target of the EOS before it: not learned.
+        weights *= tf.cast(tf.equal(segment_ids[1:], segment_ids[:-1]), tf.float32)
+        return token_ids[:-1], token_ids[1:], weights, segment_ids[:-1]
 
     dataset = records.map(example, num_parallel_calls=tf.data.AUTOTUNE,
                           deterministic=deterministic or cursor is not None)

@@ -26,10 +26,15 @@ Record formats (the manifest's `format`, chosen by `prepare --format`):
   example per record, an Example with int64 features `token_ids` (the
   prompt's tokens, the completion's, then EOS: at most `record_length =
   seq_len + 1`) and `learned` (1 where the token is one the model learns to
-  predict, the completion's and the EOS; 0 for the prompt's).
+  predict, the completion's and the EOS; 0 for the prompt's). With
+  `prepare --pack` (the manifest's `packed`: true) a record holds several
+  examples back to back, at most `record_length` tokens in all, and a third
+  int64 feature `segment_ids`: each token's example, 1, 2, ... in the record.
 
 `format_version` is 1 for uncompressed packed data (what the first readers
-understood) and 2 for anything else; a reader refuses other versions.
+understood), 3 for packed instruction examples (a reader that does not know
+`segment_ids` would let one example attend to another) and 2 for anything
+else; a reader refuses other versions.
 
 The manifest's keys are the fields of `Manifest`, in the order written,
 with `TokenizerDescription`, `Split`, `Shard` and `Totals` nested in it.
@@ -50,10 +55,12 @@ RECORD_FORMATS = {"packed": PACKED_FORMAT, "encoder": ENCODER_FORMAT,
 PACKED_FEATURE = "input_ids"
 ENCODER_FEATURES = ("token_ids", "segment_lengths")
 INSTRUCTION_FEATURES = ("token_ids", "learned")
+# Packed instruction records: each token's example, numbered from 1 in its record.
+SEGMENT_FEATURE = "segment_ids"
 # `prepare --too-long`: what happens to an example longer than a record.
 TOO_LONG_CHOICES = ("drop", "truncate")
 LEARN_CHOICES = ("completions", "all")
-SUPPORTED_FORMAT_VERSIONS = (1, 2)
+SUPPORTED_FORMAT_VERSIONS = (1, 2, 3)
 # The manifest's `compression`: TFRecord compression types as TensorFlow names them.
 COMPRESSIONS = (None, "GZIP")
 
@@ -65,13 +72,16 @@ def shard_filename(split: str, index: int, count: int) -> str:
     return f"{split}-{index:05d}-of-{count:05d}.tfrecord"
 
 
-def format_version(record_format: str, compression: Optional[str]) -> int:
-    """1 for uncompressed packed data, otherwise 2.
+def format_version(record_format: str, compression: Optional[str], pack: bool = False) -> int:
+    """1 for uncompressed packed data, 3 for packed instruction examples, otherwise 2.
 
     Args:
         record_format: str. A key of `RECORD_FORMATS`.
         compression: None or "GZIP".
+        pack: bool. Instruction examples packed several to a record (`--pack`).
     """
+    if record_format == "instructions" and pack:
+        return 3
     return 1 if record_format == "packed" and compression is None else 2
 
 
@@ -117,6 +127,9 @@ class Split(TypedDict):
             no one's target).
         dropped_examples, truncated_examples: int. Instruction data only:
             examples longer than a record, left out or cut (`--too-long`).
+        fill: float. Packed instruction data only: the share of the
+            records' `sequences * record_length` token slots that hold an
+            example's token (the rest is padding).
         shards: list of `Shard`, in reading order.
     """
 
@@ -128,6 +141,7 @@ class Split(TypedDict):
     learned_tokens: NotRequired[int]
     dropped_examples: NotRequired[int]
     truncated_examples: NotRequired[int]
+    fill: NotRequired[float]
     shards: List[Shard]
 
 
@@ -205,6 +219,8 @@ class Manifest(TypedDict):
             "completions", or "all" of every example).
         chat_template: dict. Instruction data only: the chat template of
             "messages" (`pipelines.chat_template.ChatTemplate.spec`).
+        packed: bool. Instruction data only: several examples to a record,
+            each token's example in `segment_ids` (`--pack`).
         compression: None or "GZIP".
         tokenizer: `TokenizerDescription`.
         splits: dict. "train" and "val", each a `Split`.
@@ -226,6 +242,7 @@ class Manifest(TypedDict):
     too_long: NotRequired[str]
     learn: NotRequired[str]
     chat_template: NotRequired[dict]
+    packed: NotRequired[bool]
     compression: Optional[str]
     tokenizer: TokenizerDescription
     splits: Dict[str, Split]

@@ -802,7 +802,7 @@ def help_entries():
 def test_help_explains_every_flag_with_its_choices_and_default():
     parser, entries = help_entries()
     flags = [action for action in parser._actions if action.option_strings != ["-h", "--help"]]
-    assert len(flags) == 22
+    assert len(flags) == 23
     for action in flags:
         (flag,) = action.option_strings
         entry = entries[flag]

@@ -169,6 +169,14 @@ def build_argument_parser() -> argparse.ArgumentParser:
         "assistant turns (and the EOS after them), or all of every example",
     )
     output.add_argument(
+        "--pack",
+        action="store_true",
+        help="--format instructions: pack examples best fit, several to a record of "
+        "--seq-len + 1 tokens, each token's example recorded (segment_ids) so that "
+        "training restarts positions and confines attention to it; the summary gives "
+        "the fill",
+    )
+    output.add_argument(
         "--chat-template",
         metavar="PATH",
         help='--format instructions: the chat template of "messages" examples: a Jinja file, '
@@ -296,6 +304,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             too_long=arguments["too_long"],
             learn=arguments["learn"],
             chat_template=arguments.get("chat_template"),
+            pack=arguments["pack"],
             interactive_progress=sys.stderr.isatty(),
         )
     except (ValueError, OSError, WorkerDied) as error:

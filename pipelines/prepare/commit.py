@@ -42,8 +42,10 @@ def _ordered_shards(chunk_results: dict, split: str) -> List[dict]:
     return shards
 
 
-def split_summary(chunk_results: dict, split: str, record_format: str) -> Split:
-    """One split's entry of the manifest, summed over the chunks' results."""
+def split_summary(chunk_results: dict, split: str, record_format: str,
+                  record_length: int = 0, packed: bool = False) -> Split:
+    """One split's entry of the manifest, summed over the chunks' results
+    (`packed` instruction data: with the records' `fill` of `record_length`)."""
     shards = _ordered_shards(chunk_results, split)
     summaries = [
         result["splits"][split] for result in chunk_results.values() if split in result["splits"]
@@ -56,6 +58,9 @@ def split_summary(chunk_results: dict, split: str, record_format: str) -> Split:
              "instructions": ("learned_tokens", "dropped_examples", "truncated_examples")}
     for key in extra.get(record_format, ()):
         counts[key] = sum(item.get(key, 0) for item in summaries)
+    if packed:
+        slots = counts["sequences"] * record_length
+        counts["fill"] = round(counts["tokens"] / slots, 6) if slots else 0.0
     return Split(
         **counts,
         shards=[
@@ -117,12 +122,14 @@ def build_manifest(
     instructions=None,
 ) -> Manifest:
     """The manifest's contents; `pipelines.manifest.Manifest` describes the keys
-    (`instructions`: the instruction format's `too_long`, `learn` and
-    `chat_template`)."""
-    splits = {split: split_summary(chunk_results, split, record_format) for split in SPLITS}
+    (`instructions`: the instruction format's `too_long`, `learn`,
+    `chat_template` and `packed`)."""
+    packed = bool((instructions or {}).get("packed"))
+    splits = {split: split_summary(chunk_results, split, record_format, record_length, packed)
+              for split in SPLITS}
     return Manifest(
         format=RECORD_FORMATS[record_format],
-        format_version=format_version(record_format, compression),
+        format_version=format_version(record_format, compression, packed),
         feature=record_feature(record_format),
         seq_len=seq_len,
         record_length=record_length,

@@ -81,6 +81,7 @@ def encode_chunk(job, chunk_index, segments, counters) -> dict:
             job["shard_size"],
             job["compression"],
             job["format"],
+            pack=job.get("pack", False),
         )
         for split in job["splits"]
     }

@@ -121,6 +121,7 @@ def prepare(
     too_long: str = "drop",
     learn: str = "completions",
     chat_template: Optional[str] = None,
+    pack: bool = False,
     log: Callable[[str], None] = stderr_log,
     interactive_progress: bool = False,
 ) -> Manifest:
@@ -174,6 +175,10 @@ def prepare(
             Face directory or its `tokenizer_config.json`); None: the
             tokenizer's directory's, else tfgpt's default
             (`pipelines.chat_template`).
+        pack: bool. Instructions: pack each chunk's examples best fit into
+            records of at most `seq_len + 1` tokens, each token's example
+            in `segment_ids` (`pipelines.manifest`), instead of one to a
+            record; the summary gives the records' fill.
         log: callable taking a str. Progress sink (stderr by default).
         interactive_progress: bool. Redraw the progress line in place.
 
@@ -215,6 +220,9 @@ def prepare(
                          f"Received: too_long={too_long!r}")
     if learn not in LEARN_CHOICES:
         raise ValueError(f"`learn` must be one of {LEARN_CHOICES}. Received: learn={learn!r}")
+    if pack and not instructions:
+        raise ValueError("`pack` packs instruction examples: it needs --format instructions. "
+                         f"Received: pack=True, record_format={record_format!r}")
     chat = _chat_template(chat_template, tokenizer_path) if instructions else None
     if instructions and tokenizer_path is None:
         raise ValueError(
@@ -291,6 +299,7 @@ def prepare(
             "text_key": text_key,
             **({"too_long": too_long, "learn": learn, "chat_template": chat.spec()}
                if instructions else {}),
+            **({"pack": True} if pack else {}),
         }
         job = {
             "sources": [(source.path, source.kind, source.size) for source in sources],
@@ -307,6 +316,7 @@ def prepare(
             "shard_size": shard_size,
             "compression": compression,
             "format": record_format,
+            "pack": pack,
             "splits": splits,
             "num_threads": num_threads,
         }
@@ -380,7 +390,8 @@ def prepare(
             chunk_size=chunk_size,
             number_of_chunks=len(chunks),
             instructions=({"too_long": too_long, "learn": learn,
-                           "chat_template": chat.spec()} if instructions else None),
+                           "chat_template": chat.spec(), "packed": pack}
+                          if instructions else None),
         )
         start = time.perf_counter()
         commit(output_directory, tokenizer_temporary, tokenizer.filename, chunk_results, manifest)
@@ -409,6 +420,9 @@ def prepare(
             log(f"{split}: {summary['learned_tokens']:,} tokens learned; examples longer than "
                 f"--seq-len + 1: {summary['dropped_examples']:,} dropped, "
                 f"{summary['truncated_examples']:,} truncated (--too-long {too_long})")
+        if "fill" in summary:
+            log(f"{split}: {summary['documents'] - summary['dropped_examples']:,} examples "
+                f"packed into {summary['sequences']:,} records, {summary['fill']:.1%} full")
     log(
         "timings: "
         + ", ".join(

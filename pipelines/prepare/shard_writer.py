@@ -3,19 +3,27 @@
 `SplitWriter` packs documents into records (`packed`: a token stream cut
 into records of `seq_len + 1` tokens; `encoder`: a document's segments,
 from `split_segments`, grouped into records of at most `seq_len - 3`
-tokens), frames them with `pipelines.tfrecord` (no TensorFlow) and rolls a
+tokens; `instructions`: one example per record, or with `pack` several,
+best fit), frames them with `pipelines.tfrecord` (no TensorFlow) and rolls a
 new shard before one would pass `--shard-size` bytes. Each chunk writes its
 own temporary shards, so chunks can be written in any order and a
 finished chunk survives a crash; the commit gives them their final names.
 """
 
+import bisect
+import collections
 import os
 import re
 from typing import List
 
 import numpy as np
 
-from pipelines.manifest import ENCODER_FEATURES, INSTRUCTION_FEATURES, SPLITS
+from pipelines.manifest import (
+    ENCODER_FEATURES,
+    INSTRUCTION_FEATURES,
+    SEGMENT_FEATURE,
+    SPLITS,
+)
 from pipelines.tfrecord import (
     FRAMING_BYTES,
     TFRecordWriter,
@@ -44,13 +52,51 @@ def split_segments(text: str) -> List[str]:
     return segments
 
 
+def best_fit(lengths: List[int], capacity: int) -> List[List[int]]:
+    """Best-fit decreasing bin packing: the indices of `lengths` in bins of
+    at most `capacity`, each bin's in the order they went in.
+
+    Longest first (ties in input order), each item goes to the bin it
+    leaves the least room in, or to a new bin. Deterministic, and within
+    11/9 of the fewest bins plus one (Johnson 1973).
+
+    Args:
+        lengths: list of int, each at most `capacity`.
+        capacity: int. A bin's room.
+    """
+    bins: List[List[int]] = []
+    rooms: List[int] = []  # sorted: the room left in the open bins
+    by_room = collections.defaultdict(collections.deque)  # room -> bins, oldest first
+    for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        length = lengths[index]
+        place = bisect.bisect_left(rooms, length)
+        if place < len(rooms):  # the fullest bin it fits in
+            room = rooms.pop(place)
+            number = by_room[room].popleft()
+            if by_room[room]:
+                bisect.insort(rooms, room)
+        else:
+            room, number = capacity, len(bins)
+            bins.append([])
+        bins[number].append(index)
+        room -= length
+        if room > 0:
+            if not by_room[room]:
+                bisect.insort(rooms, room)
+            by_room[room].append(number)
+    return bins
+
+
 class SplitWriter:
     """Writes one chunk's records of one split and rolls shards by size.
 
     Packed format: documents (each followed by EOS) are packed into records
     of exactly `record_length` tokens; the partial record left at the end of
     the chunk is dropped. Encoder format: each document's segments are
-    grouped into records of at most `record_length` tokens.
+    grouped into records of at most `record_length` tokens. Instruction
+    format: each example one record, or (`pack`) the chunk's examples packed
+    best fit (`best_fit`) into records of at most `record_length` tokens,
+    written when the writer closes.
 
     Args:
         split: str. "train" or "val".
@@ -61,6 +107,7 @@ class SplitWriter:
             this many (uncompressed) bytes; a shard holds at least one record.
         compression: None or "GZIP".
         record_format: str. "packed", "encoder" or "instructions".
+        pack: bool. Instructions: several examples to a record.
     """
 
     def __init__(
@@ -72,6 +119,7 @@ class SplitWriter:
         shard_size,
         compression=None,
         record_format="packed",
+        pack=False,
     ):
         self.split = split
         self.directory = directory
@@ -80,6 +128,8 @@ class SplitWriter:
         self.shard_size = shard_size
         self.compression = compression
         self.record_format = record_format
+        self.pack = pack
+        self._examples = []  # pack: (token ids, learned) until close
         self.shards = []  # dicts: temporary_name, sequences, tokens, bytes, sha256.
         self.documents = 0
         self.tokens = 0
@@ -120,7 +170,8 @@ class SplitWriter:
         is one record: the pieces' tokens and EOS, `learned` 1 on the tokens
         of learned pieces and on EOS. An example longer than a record is
         dropped or (`too_long` "truncate") cut to one; either way counted.
-        A cut that would keep no learned token drops the example."""
+        A cut that would keep no learned token drops the example. With
+        `pack` the examples wait for `close`, which packs them."""
         for pieces in examples:
             self.documents += 1
             token_ids = [token for ids, _ in pieces for token in ids] + [eos_id]
@@ -137,9 +188,29 @@ class SplitWriter:
                                       learned[:self.record_length])
             self.tokens += len(token_ids)
             self.learned_tokens += sum(learned[1:])
+            if self.pack:
+                self._examples.append((token_ids, learned))
+                continue
             self._current_tokens = len(token_ids)
             self._write_record(serialize_example(
                 dict(zip(INSTRUCTION_FEATURES, (token_ids, learned)))))
+
+    def _write_packed_examples(self) -> None:
+        """Pack the examples held (`pack`) into records, best fit; each
+        token's `segment_ids` is its example's number in the record, from 1."""
+        examples, self._examples = self._examples, []
+        for numbers in best_fit([len(ids) for ids, _ in examples], self.record_length):
+            token_ids, learned, segment_ids = [], [], []
+            for segment, number in enumerate(numbers, start=1):
+                ids, flags = examples[number]
+                token_ids += ids
+                learned += flags
+                segment_ids += [segment] * len(ids)
+            self._current_tokens = len(token_ids)
+            self._write_record(serialize_example({
+                **dict(zip(INSTRUCTION_FEATURES, (token_ids, learned))),
+                SEGMENT_FEATURE: segment_ids,
+            }))
 
     def add_segmented_documents(self, documents: List[List[List[int]]]) -> None:
         """Encoder format: each document is a list of segments (token lists)."""
@@ -209,7 +280,10 @@ class SplitWriter:
         self._current = None
 
     def close(self) -> None:
-        """Close the last shard. A packed partial record left over is dropped."""
+        """Write the packed examples held, close the last shard. A packed
+        partial record left over is dropped."""
+        if self._examples:
+            self._write_packed_examples()
         if self._current is not None:
             self._close_shard()
 

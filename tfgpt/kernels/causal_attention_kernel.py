@@ -14,7 +14,8 @@ from tfgpt.kernels import dispatch
 BLOCK_SIZE = 64
 
 
-def causal_attention_available(dtype, dropout=0.0, padding_mask=None, cache=None):
+def causal_attention_available(dtype, dropout=0.0, padding_mask=None, cache=None,
+                               segment_ids=None):
     """True when `causal_attention` can run now for a projection of `dtype`.
 
     Args:
@@ -23,13 +24,14 @@ def causal_attention_available(dtype, dropout=0.0, padding_mask=None, cache=None
             float32 (Eigen) matmuls, so the attention layer keeps
             TensorFlow's ops there.
         dropout: float. The attention dropout in effect (0 outside training).
-        padding_mask, cache: the attention layer's, or None.
+        padding_mask, cache, segment_ids: the attention layer's, or None
+            (the kernel masks causally and nothing else).
 
     The rules are `tfgpt.kernels.dispatch`'s ("attention").
     """
     return dispatch.runs(
         "attention", dtype, dropout=dropout,
-        masked=padding_mask is not None or cache is not None,
+        masked=padding_mask is not None or cache is not None or segment_ids is not None,
     )
 
 

@@ -13,6 +13,7 @@ from tfgpt.kernels.causal_attention_kernel import (
 from tfgpt.kernels.causal_softmax_kernel import causal_softmax
 from tfgpt.layers.configured_layer import normal_initializer
 from tfgpt.layers.rotary_embedding import inverse_frequencies, rotate
+from tfgpt.layers.segments import same_segment
 from tfgpt.layers.self_attention_base import MASKED_SCORE, SelfAttentionBase
 
 try:  # Private, long-stable TF API; without it every write takes the XLA op.
@@ -51,8 +52,10 @@ class CausalSelfAttention(SelfAttentionBase):
     One dense layer projects the input to queries, keys and values for all
     heads at once (GPT-2's `c_attn`), each head of width
     `hidden_dim // num_heads`; a second projects the concatenated heads back
-    (`c_proj`). Position i attends to positions <= i only. Softmax runs in
-    float32 under mixed precision. Without a cache or padding mask, on CPU
+    (`c_proj`). Position i attends to positions <= i only, and with
+    `segment_ids` (packed examples, `tfgpt.layers.segments`) to those of
+    its own example only. Softmax runs in float32 under mixed precision.
+    Without a cache, padding mask or segment ids, on CPU
     with the fused kernels: in float32 (and without attention dropout in
     training) the whole core is `tfgpt.kernels.causal_attention`, one
     kernel each way; otherwise the softmax is
@@ -140,6 +143,7 @@ class CausalSelfAttention(SelfAttentionBase):
         cache=None,
         cache_index=0,
         positions=None,
+        segment_ids=None,
         training=None,
     ):
         """Attends causally over `inputs` (B, T, C).
@@ -157,6 +161,11 @@ class CausalSelfAttention(SelfAttentionBase):
             positions: optional int tensor (B, T) or (1, T): each token's
                 position for the rotary embedding (left-padded rows start
                 later); default `cache_index`, `cache_index + 1`, ...
+            segment_ids: optional int tensor (B, S), S as for
+                `padding_mask`: each key position's example in a packed
+                row; a query attends to its own example's keys only. (The
+                positions of packed examples are the caller's:
+                `tfgpt.layers.segments.segment_positions`.)
             training: bool. Enables dropout.
 
         Returns:
@@ -179,7 +188,7 @@ class CausalSelfAttention(SelfAttentionBase):
             qkv = self.query_key_value(heads_input)  # (B, T, 3C)
             plain = self.rotary is None and self.scale and not self.window
             if plain and causal_attention_available(
-                qkv.dtype, self.dropout if training else 0.0, padding_mask, cache
+                qkv.dtype, self.dropout if training else 0.0, padding_mask, cache, segment_ids
             ):
                 # Float32 on CPU: one fused kernel each way reads the heads out
                 # of the projection and skips the masked score blocks.
@@ -223,14 +232,14 @@ class CausalSelfAttention(SelfAttentionBase):
             key = tf.repeat(key, groups, axis=1)  # (B, H, S, D)
             value = tf.repeat(value, groups, axis=1)  # (B, H, S, D)
         scores = tf.matmul(query, key, transpose_b=True)  # (B, H, T, S)
-        if (cache is None and padding_mask is None and not self.window
+        if (cache is None and padding_mask is None and segment_ids is None and not self.window
                 and inputs.shape[1] is not None):
             # Training: masked softmax in one fused pass each way on CPU
             # (tfgpt.kernels), else cast, constant bias, softmax, cast back.
             weights = causal_softmax(scores)  # (B, H, T, T), compute dtype
         else:
             scores = tf.cast(scores, "float32") + self._mask_bias(
-                inputs, key, padding_mask, cache_index
+                inputs, key, padding_mask, cache_index, segment_ids
             )  # (B, H, T, S)
             weights = tf.nn.softmax(scores, axis=-1)  # (B, H, T, S)
         # Dropout gets the probabilities in the compute dtype from the fused
@@ -242,7 +251,7 @@ class CausalSelfAttention(SelfAttentionBase):
             return outputs, cache
         return outputs
 
-    def _mask_bias(self, inputs, key, padding_mask, cache_index):
+    def _mask_bias(self, inputs, key, padding_mask, cache_index, segment_ids=None):
         """Additive float32 mask (1, 1, T, S) or (B, 1, T, S): 0 where a
         query may attend, `MASKED_SCORE` elsewhere.
 
@@ -258,6 +267,9 @@ class CausalSelfAttention(SelfAttentionBase):
         allowed = allowed[tf.newaxis, tf.newaxis]  # (1, 1, T, S)
         if padding_mask is not None:
             allowed = tf.logical_and(allowed, self._keys_real(padding_mask))  # (B, 1, T, S)
+        if segment_ids is not None:  # block-diagonal: the query's own example
+            same = same_segment(segment_ids, cache_index, tf.shape(inputs)[1])  # (B, T, S)
+            allowed = tf.logical_and(allowed, same[:, tf.newaxis])  # (B, 1, T, S)
         return tf.where(allowed, 0.0, MASKED_SCORE)  # (B or 1, 1, T, S)
 
 

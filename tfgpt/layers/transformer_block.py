@@ -188,19 +188,22 @@ class TransformerBlock(ConfiguredLayer):
         return self.feedforward_dropout(x, training=training)
 
     def call(self, inputs, padding_mask=None, cache=None, cache_index=0, positions=None,
-             training=None):
+             segment_ids=None, training=None):
         """Applies the block to `inputs` (B, T, C).
 
         `padding_mask` (B, S) marks the real key positions; `cache`,
-        `cache_index` and `positions` (causal attention only) are those of
-        `CausalSelfAttention`, and with a cache the updated cache is
-        returned as a second output.
+        `cache_index`, `positions` and `segment_ids` (causal attention
+        only) are those of `CausalSelfAttention`, and with a cache the
+        updated cache is returned as a second output.
         """
+        # Causal attention only: the encoders' attention takes neither.
+        extra = {name: value for name, value in
+                 (("positions", positions), ("segment_ids", segment_ids)) if value is not None}
         if self.recompute and training and cache is None:
-            return self._recomputed(inputs, padding_mask, positions, training)
-        return self._apply(inputs, padding_mask, cache, cache_index, positions, training)
+            return self._recomputed(inputs, padding_mask, extra, training)
+        return self._apply(inputs, padding_mask, cache, cache_index, extra, training)
 
-    def _recomputed(self, inputs, padding_mask, positions, training):
+    def _recomputed(self, inputs, padding_mask, extra, training):
         # Dropout draws each mask from its SeedGenerator's state and advances
         # it. The recomputation in the backward pass rewinds the states to
         # their values before the forward pass, so it replays the same masks,
@@ -222,7 +225,7 @@ class TransformerBlock(ConfiguredLayer):
             forward_done.append(True)
             for state, value in zip(states, saved):
                 state.assign(value)
-            outputs = self._apply(x, padding_mask, None, 0, positions, training)
+            outputs = self._apply(x, padding_mask, None, 0, extra, training)
             with tf.control_dependencies([outputs]):
                 for state, value in zip(states, found):
                     state.assign(value)
@@ -230,19 +233,17 @@ class TransformerBlock(ConfiguredLayer):
 
         return tf.recompute_grad(block)(inputs)
 
-    def _apply(self, inputs, padding_mask, cache, cache_index, positions, training):
+    def _apply(self, inputs, padding_mask, cache, cache_index, extra, training):
         # Inside the recomputed function: a recomputation gathers again
         # (its inputs wait for the gradient arriving from the layer above).
         if self.weights_scope is not None:
             with self.weights_scope(inputs):
-                return self._compute(inputs, padding_mask, cache, cache_index, positions,
-                                     training)
-        return self._compute(inputs, padding_mask, cache, cache_index, positions, training)
+                return self._compute(inputs, padding_mask, cache, cache_index, extra, training)
+        return self._compute(inputs, padding_mask, cache, cache_index, extra, training)
 
-    def _compute(self, inputs, padding_mask, cache, cache_index, positions, training):
+    def _compute(self, inputs, padding_mask, cache, cache_index, extra, training):
         x = inputs
         attention_input = self.attention_norm(x) if self.norm_first else x
-        extra = {} if positions is None else {"positions": positions}  # causal only
         if cache is None:
             attended = self.attention(
                 attention_input, padding_mask=padding_mask, training=training, **extra

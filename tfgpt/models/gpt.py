@@ -5,6 +5,7 @@ import tensorflow as tf
 
 from tfgpt import decoding
 from tfgpt.config import GPTConfig
+from tfgpt.layers.segments import segment_positions
 from tfgpt.layers.token_and_position_embedding import TokenAndPositionEmbedding
 from tfgpt.models.block_stack import BlockStack
 from tfgpt.models.configured_model import ConfiguredModel
@@ -118,6 +119,7 @@ class GPT(BlockStack, ConfiguredModel):
         cache=None,
         cache_index=0,
         positions=None,
+        segment_ids=None,
         training=None,
     ):
         """Returns next-token logits (B, T, V) in float32.
@@ -134,17 +136,28 @@ class GPT(BlockStack, ConfiguredModel):
                 cache at every step (`tfgpt.decoding` uses it).
             cache_index: position of `token_ids[:, 0]` in the cache.
             positions: optional explicit positions (B, T) for left padding.
+            segment_ids: optional int tensor (B, S), S as for `padding_mask`:
+                packed rows, each token's example (1, 2, ...; 0: padding).
+                Each example attends within itself and its positions start
+                at 0 (unless `positions` are given), as if it were alone in
+                a row (`tfgpt.layers.segments`).
             training: bool. Enables dropout.
         """
+        if segment_ids is not None and positions is None:
+            positions = segment_positions(segment_ids, cache_index,
+                                          tf.shape(token_ids)[1])  # (B, T)
         x = self.embed(token_ids, start_index=cache_index, positions=positions,
                        training=training)  # (B, T, C)
-        # Rotary positions enter each attention: its default, from cache_index, or these.
-        rotary = {} if positions is None else {"positions": positions}
+        # Rotary positions enter each attention: its default, from cache_index, or
+        # these; and the segments, which confine it to each packed example.
+        attention = {} if positions is None else {"positions": positions}
+        if segment_ids is not None:
+            attention["segment_ids"] = segment_ids
         per_layer = isinstance(cache, (list, tuple))
         new_caches = []
         for index, block in enumerate(self.blocks):
             if cache is None:
-                x = block(x, padding_mask=padding_mask, training=training, **rotary)
+                x = block(x, padding_mask=padding_mask, training=training, **attention)
             else:
                 x, layer_cache = block(
                     x,
@@ -152,7 +165,7 @@ class GPT(BlockStack, ConfiguredModel):
                     cache=cache[index] if per_layer else cache[:, index],
                     cache_index=cache_index,
                     training=training,
-                    **rotary,
+                    **attention,
                 )
                 new_caches.append(layer_cache)
         if self.final_norm is not None:

@@ -56,7 +56,9 @@ class CausalLanguageModelling:
 
 class InstructionTuning(CausalLanguageModelling):
     """Next-token prediction on instruction records `(inputs, targets, weights)`:
-    the completions' tokens learned, the prompts' and the padding not."""
+    the completions' tokens learned, the prompts' and the padding not. Packed
+    records (`prepare --pack`) add `segment_ids`, which the model takes: each
+    example attends within itself, its positions from 0."""
 
     name = "sft"
     data_format = INSTRUCTION_FORMAT
@@ -65,8 +67,9 @@ class InstructionTuning(CausalLanguageModelling):
         return instruction_data.make_instruction_dataset(data_dir, split, batch_size, **options)
 
     def loss(self, model, batch, training):
-        inputs, targets, weights = batch
-        logits = model(inputs, training=training)
+        inputs, targets, weights, *segments = batch
+        packed = {"segment_ids": segments[0]} if segments else {}
+        logits = model(inputs, training=training, **packed)
         return cross_entropy(targets, logits, weights,
                              tensor_slice=getattr(model, "tensor_slice", WHOLE)), {}
 
@@ -77,7 +80,7 @@ class InstructionTuning(CausalLanguageModelling):
 
     def evaluation_summary(self, batch, vocabulary_size):
         """Token counts of the learned targets, for the unigram baseline."""
-        _, targets, weights = batch
+        _, targets, weights = batch[:3]
         return np.bincount(targets.numpy()[weights.numpy() > 0], minlength=vocabulary_size)
 
 
