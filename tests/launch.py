@@ -4,6 +4,7 @@ reading the training losses their runs logged and the checkpoints they wrote."""
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -177,6 +178,21 @@ def processes(commands, timeout=TIMEOUT_SECONDS):
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGKILL)
     return [(process.returncode, output) for process, output in zip(started, outputs)]
+
+
+def slurm_tasks(commands, timeout=TIMEOUT_SECONDS, env=None):
+    """Runs one `tfgpt.slurm_launcher` task per rank, each with its own command
+    (`python ARGS...` of `commands[rank]`), on this host, as Slurm's tasks
+    would run without horovodrun. Returns `[(returncode, output)]` by rank."""
+    port = socket.socket()
+    port.bind(("", 0))
+    free_port = port.getsockname()[1]
+    port.close()
+    return processes([
+        ([sys.executable, "-m", "tfgpt.slurm_launcher", "--hosts", f"localhost:{len(commands)}",
+          "--rank", rank, "--port", free_port, "--", sys.executable, *command], env or {})
+        for rank, command in enumerate(commands)
+    ], timeout=timeout)
 
 
 def _launch(ranks, *command):

@@ -5,7 +5,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.launch import REPO, horovodrun, run
+from tests.launch import REPO, horovodrun, run, slurm_tasks, train_losses
 
 pytestmark = pytest.mark.distributed
 
@@ -119,6 +119,25 @@ def test_a_step_names_its_collectives_alike_whatever_its_towers():
     names = [line[2:] for line in lines]
     assert len(names[0]) > 1, output  # several buckets
     assert names[0] == names[1] == names[2], output
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", [["--zero-stage", "3"], ["--tensor-parallel", "2"]])
+def test_ranks_whose_threads_choose_different_towers_run_the_fewest(tiny_data, tmp_path, layout):
+    # Rank 0 with 2 threads chooses 2 towers, rank 1 with 1 thread one (hosts
+    # of different sizes do). ZeRO-3 and tensor parallelism run collectives
+    # in each tower's forward pass: without agreeing on one count the two
+    # ranks waited for each other at the first step (until the watchdog's
+    # --collective-timeout ended them).
+    flags = [REPO / "train_hvd.py", "--data", tiny_data, "--out", tmp_path, "--steps", "3",
+             "--batch-size", "4", "--log-every", "1", "--eval-batches", "1", "--num-layers", "2",
+             "--num-heads", "2", "--hidden-dim", "32", "--intermediate-dim", "48",
+             "--max-sequence-length", "16", "--collective-timeout", "30", *layout]
+    results = slurm_tasks([[*flags, "--intra-op-threads", threads] for threads in ("2", "1")],
+                          timeout=150)
+    assert [code for code, _ in results] == [0, 0], results
+    assert "1 tower(s) per replica" in results[0][1], results[0][1]
+    assert sorted(train_losses(tmp_path)) == [1, 2, 3]
 
 
 def test_one_horovod_worker_averages_nothing_through_horovod():

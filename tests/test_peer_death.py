@@ -16,13 +16,12 @@ transport, ZeRO-3, tensor-parallel and pipeline runs.
 
 import json
 import socket
-import sys
 import time
 
 import psutil
 import pytest
 
-from tests.launch import REPO, checkpoint_tensors, horovodrun, processes, train_losses
+from tests.launch import REPO, checkpoint_tensors, horovodrun, slurm_tasks, train_losses
 from tfgpt.checkpoint.files import latest
 from tfgpt.resilience import faults
 
@@ -65,17 +64,10 @@ SURVIVOR_ENDED_BY = ("a collective failed: ", "watchdog: rank 1 on ")
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_the_survivor_exits_by_itself_without_horovodrun(tiny_data, tmp_path, layout):
-    port = socket.socket()
-    port.bind(("", 0))
-    free_port = port.getsockname()[1]
-    port.close()
     begin = time.monotonic()
-    results = processes([
-        ([sys.executable, "-m", "tfgpt.slurm_launcher", "--hosts", "localhost:2", "--rank",
-          rank, "--port", free_port, "--", sys.executable, REPO / "train_hvd.py",
-          *_flags(tiny_data, tmp_path, layout), "--collective-timeout", "8"], ENVIRONMENT)
-        for rank in (0, 1)
-    ], timeout=BOUND_SECONDS)
+    command = [REPO / "train_hvd.py", *_flags(tiny_data, tmp_path, layout),
+               "--collective-timeout", "8"]
+    results = slurm_tasks([command, command], timeout=BOUND_SECONDS, env=ENVIRONMENT)
     assert time.monotonic() - begin < BOUND_SECONDS
     (survivor, output), (killed, _) = results
     assert killed == 128 + 9

@@ -233,8 +233,26 @@ class HorovodDistribution(LocalDistribution):
         )
         distribution.configure_devices(**device_settings(config))
         distribution.options = options
+        if not options.elastic and (options.zero_stage or options.tensor_parallel > 1):
+            distribution.agree_on_towers()
         distribution.choose_transport(options)
         return distribution
+
+    def agree_on_towers(self):
+        """Every rank runs the fewest towers any rank chose.
+
+        Each rank chooses its towers from its own threads (its host's cores
+        over its workers there), so hosts of different sizes choose
+        differently. A data-parallel step may differ in towers (its
+        collectives come after them, named alike); a ZeRO-3 or
+        tensor-parallel step runs collectives inside each tower's forward
+        pass, so ranks with 2 and 1 towers wait for each other forever.
+        """
+        if self.num_workers == 1:
+            return
+        towers = self._hvd.allgather(tf.constant([self.towers], tf.int32),
+                                     name="tfgpt_towers").numpy()
+        self.towers = int(towers.min())
 
     # Averages the float32 gradients of a step when not None
     # (`tfgpt.parallel.shared_memory`); `averaging` says how, for the
