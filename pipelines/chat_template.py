@@ -142,6 +142,50 @@ class ChatTemplate:
         pieces.append((whole[done:], False))
         return [(text, learned) for text, learned in pieces if text]
 
+    def turn_pieces(self) -> Dict[str, str]:
+        """The text around each turn of a conversation that ends with the user's
+        turn and the generation prompt: `{"start|ROLE": before the first
+        content, "PREVIOUS|ROLE": between two turns' contents, "end|user":
+        after the last}`, for the orders system, user, assistant, user, ...
+        `tfgpt.export` renders conversations from them in TensorFlow ops.
+
+        Raises ValueError when the template is not made of such pieces (it
+        changes a content, say by trimming it, or moves one): rebuilt
+        conversations are checked against its own renderings.
+        """
+        marks = [f"\x00{index}\x00" for index in range(4)]
+
+        def cut(messages):
+            text = self.render(messages, add_generation_prompt=True)
+            pieces = []
+            for mark in [m["content"] for m in messages]:
+                head, found, text = text.partition(mark)
+                if not found or mark in text:
+                    raise ValueError(f"{self.where}: the chat template does not render each "
+                                     "message's content once, in order, so it cannot be "
+                                     "exported as pieces around the turns")
+                pieces.append(head)
+            return pieces + [text]
+
+        roles = ["system", "user", "assistant", "user"]
+        full = cut([{"role": role, "content": mark} for role, mark in zip(roles, marks)])
+        pieces = {"start|system": full[0], "system|user": full[1], "user|assistant": full[2],
+                  "assistant|user": full[3], "end|user": full[4]}
+        pieces["start|user"] = cut([{"role": "user", "content": marks[0]}])[0]
+        samples = [["user"], ["system", "user"], ["user", "assistant", "user"],
+                   ["system", "user", "assistant", "user", "assistant", "user"]]
+        for order in samples:
+            messages = [{"role": role, "content": f" {role} {index}\n said "}
+                        for index, role in enumerate(order)]
+            rebuilt = "".join(pieces[f"{previous}|{message['role']}"] + message["content"]
+                              for previous, message in zip(["start"] + order, messages))
+            if rebuilt + pieces["end|user"] != self.render(messages, add_generation_prompt=True):
+                raise ValueError(
+                    f"{self.where}: the chat template does not render a conversation as fixed "
+                    f"text around each turn's content (checked on the roles {order}), so it "
+                    "cannot be exported as pieces around the turns")
+        return pieces
+
     def end_of_turn(self) -> str:
         """What the template puts after a reply (e.g. `<|im_end|>`), stripped of
         white space: where a generated reply ends. Empty when nothing follows."""

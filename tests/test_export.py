@@ -16,6 +16,11 @@ from tfgpt.tokenizers import BytePairTokenizer
 from tfgpt.tokenizers.byte_pair_tokenizer import bytes_to_unicode
 
 PROMPTS = ["the theme of the thesis", "", "Hello, world! 42", "the"]
+# A chat template of short pieces (the context is 14 tokens): "u:the\na:" asks.
+CHAT = ("{% for m in messages %}{{ m['role'][0] + ':' + m['content'] + '\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}a:{% endif %}")
+CONVERSATIONS = [[("user", "the")],
+                 [("system", "be"), ("user", "the the"), ("assistant", "th"), ("user", "e")]]
 NEW_TOKENS = 6
 CONTEXT = 14
 
@@ -63,6 +68,11 @@ LOADER = textwrap.dedent(
         loaded = tf.saved_model.load(path)
         out = loaded.signatures["serving_default"](prompts=tf.constant(json.loads(sys.argv[2])))
         logits = loaded.signatures["logits"](token_ids=tf.constant([[1, 2, 3], [4, 5, 6]]))
+        if "chat" in loaded.signatures:
+            roles, contents = json.loads(sys.argv[3])
+            chat = loaded.signatures["chat"](roles=tf.constant(roles),
+                                             contents=tf.constant(contents))
+            results[name + "-chat"] = [t.decode("utf-8") for t in chat["replies"].numpy()]
         results[name] = {
             "completions": [t.decode("utf-8") for t in out["completions"].numpy()],
             "texts": [t.decode("utf-8") for t in out["texts"].numpy()],
@@ -79,9 +89,11 @@ LOADER = textwrap.dedent(
 def test_saved_model_in_a_fresh_process_equals_the_python_model(tmp_path):
     from pipelines.tokenizer import train_tokenizer
 
+    from pipelines.chat_template import ChatTemplate
+
     bpe = small_tokenizer()
     bpe_model = small_model(bpe.vocabulary_size, seed=1)
-    export(bpe_model, bpe, str(tmp_path / "bpe"), NEW_TOKENS)
+    export(bpe_model, bpe, str(tmp_path / "bpe"), NEW_TOKENS, chat_template=ChatTemplate(CHAT))
 
     documents = [f"the theme {i} of the thesis, hello world {i * 3}" for i in range(60)]
     sentencepiece = train_tokenizer(documents, 300, str(tmp_path / "t.model"), num_threads=1)
@@ -90,8 +102,14 @@ def test_saved_model_in_a_fresh_process_equals_the_python_model(tmp_path):
     export(sentencepiece_model, sentencepiece, str(tmp_path / "sp"), NEW_TOKENS, **sampled)
 
     paths = {"bpe": str(tmp_path / "bpe"), "sp": str(tmp_path / "sp")}
+    width = max(map(len, CONVERSATIONS))  # rows padded with "" roles
+    turns = [[list(turn) for turn in conversation] + [["", ""]] * (width - len(conversation))
+             for conversation in CONVERSATIONS]
+    roles_and_contents = [[[role for role, _ in row] for row in turns],
+                          [[content for _, content in row] for row in turns]]
     completed = subprocess.run(
-        [sys.executable, "-c", LOADER, json.dumps(paths), json.dumps(PROMPTS)],
+        [sys.executable, "-c", LOADER, json.dumps(paths), json.dumps(PROMPTS),
+         json.dumps(roles_and_contents)],
         capture_output=True,
         text=True,
         timeout=300,
@@ -110,6 +128,15 @@ def test_saved_model_in_a_fresh_process_equals_the_python_model(tmp_path):
         assert [row[:n] for row, n in zip(result["token_ids"], result["lengths"])] == token_ids
         expected = model(np.array([[1, 2, 3], [4, 5, 6]])).numpy()
         assert np.abs(np.array(result["logits"]) - expected).max() < 1e-5
+    # The chat signature: the rendered conversations' completions, cut at the
+    # end of the turn ("\n").
+    rendered = [ChatTemplate(CHAT).render([{"role": role, "content": content}
+                                           for role, content in conversation],
+                                          add_generation_prompt=True)
+                for conversation in CONVERSATIONS]
+    assert rendered[1] == "s:be\nu:the the\na:th\nu:e\na:"
+    replies, _ = python_reference(bpe_model, bpe, rendered)
+    assert results["bpe-chat"] == [reply.split("\n")[0] for reply in replies]
     # The byte-level BPE round-trips a prompt exactly; the first prompt was
     # longer than the 8 tokens that fit and kept its end.
     assert results["bpe"]["texts"][3] == PROMPTS[3] + results["bpe"]["completions"][3]
@@ -126,6 +153,22 @@ def test_module_truncates_long_prompts_and_starts_empty_ones_at_eos():
     assert [t.decode() for t in out["completions"].numpy()] == completions
     assert out["token_ids"].shape == (2, NEW_TOKENS)
     assert out["texts"].numpy()[1].decode().startswith("<|endoftext|>")
+
+
+def test_chat_refuses_templates_it_cannot_render_and_rows_out_of_order():
+    from pipelines.chat_template import ChatTemplate
+
+    tokenizer = small_tokenizer()
+    model = small_model(tokenizer.vocabulary_size)
+    trimming = "{% for m in messages %}{{ m['content'] | trim }}{% endfor %}"
+    with pytest.raises(ValueError, match="does not render a conversation as fixed text around "
+                                         "each turn's content"):
+        GenerationModule(model, tokenizer, NEW_TOKENS, chat_template=ChatTemplate(trimming))
+    module = GenerationModule(model, tokenizer, NEW_TOKENS, chat_template=ChatTemplate(CHAT))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="roles must be \\[system,\\] user, assistant"):
+        module.chat(tf.constant([["assistant", "user"]]), tf.constant([["a", "b"]]))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="roles must be \\[system,\\] user, assistant"):
+        module.chat(tf.constant([["user", "assistant"]]), tf.constant([["a", "b"]]))
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,16 @@ The SavedModel has two signatures:
 - `logits`: `token_ids` int32 (B, T) -> `logits` float32 (B, T, V), the
   model's forward pass. Right padding needs no mask: position t only sees
   positions <= t.
+- `chat` (with `--chat`): `roles` and `contents` tf.string (B, M), one
+  conversation a row (system first if any, then user and assistant turns
+  in turn, ending with the user's; roles "" pad a row's end) -> `replies`
+  tf.string (B,) (the reply, cut at the template's end-of-turn marker),
+  `prompts` tf.string (B,) (the rendered conversation). The model's chat
+  template (`pipelines.chat_template`: the run's, a Hugging Face
+  directory's, else ChatML's turns) is rendered by TensorFlow string ops
+  from the fixed text it puts around each turn's content; a template that
+  is not made of such pieces is refused at export. A row with another
+  order of roles fails the call with an InvalidArgumentError.
 
 The decoding settings are baked in at export time: N = `max_new_tokens`,
 `temperature`, `top_k`, `top_p`, `seed` (a sampled export gives the same
@@ -31,6 +41,7 @@ Loading needs TensorFlow Text's ops registered first:
 """
 
 import argparse
+import re
 import sys
 
 from tfgpt.cli import HelpFormatter
@@ -66,6 +77,11 @@ def parse_args(argv=None):
         "--xla", action="store_true",
         help="compile the decode loop (not the tokenizer) with XLA",
     )
+    parser.add_argument(
+        "--chat", action="store_true",
+        help="add the `chat` signature: conversations in, replies out, with the model's chat "
+        "template",
+    )
     return parser.parse_args(argv)
 
 
@@ -91,6 +107,8 @@ class GenerationModule(tf.Module):
             `tfgpt.decoding.generate` (`seed` must be an int here).
         stop_at_eos: bool. End a row at the tokenizer's end-of-text id.
         jit_compile: bool. Compile the decode loop (not the tokenizer) with XLA.
+        chat_template: `pipelines.chat_template.ChatTemplate` of the `chat`
+            function, or None for none.
     """
 
     def __init__(
@@ -104,6 +122,7 @@ class GenerationModule(tf.Module):
         seed=0,
         stop_at_eos=True,
         jit_compile=False,
+        chat_template=None,
     ):
         super().__init__(name="tfgpt_generator")
         if seed is None:
@@ -135,6 +154,23 @@ class GenerationModule(tf.Module):
             )
 
         self._decode = graph_function(run_decoder, jit_compile=jit_compile)
+        if chat_template is not None:
+            pieces = chat_template.turn_pieces()
+            bos = chat_template.special_tokens.get("bos_token")
+            if bos and tokenizer.encode(""):  # the tokenizer puts the BOS first itself
+                pieces = {key: value[len(bos):] if key.startswith("start|")
+                          and value.startswith(bos) else value for key, value in pieces.items()}
+            keys, values = zip(*pieces.items())
+            # An attribute, so that the SavedModel tracks (and saves) the table.
+            self._turn_pieces = tf.lookup.StaticHashTable(
+                tf.lookup.KeyValueTensorInitializer(list(keys), list(values)),
+                default_value=_NO_PIECE)
+            self._end_of_turn = chat_template.end_of_turn()
+            # Only a module with a template has `chat` (the SavedModel traces
+            # every function it finds).
+            self.chat = tf.function(self._reply, input_signature=[
+                tf.TensorSpec([None, None], tf.string, name="roles"),
+                tf.TensorSpec([None, None], tf.string, name="contents")])
 
     @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="prompts")])
     def generate(self, prompts):
@@ -149,6 +185,15 @@ class GenerationModule(tf.Module):
             "token_ids": generated,
             "lengths": lengths,
         }
+
+    def _reply(self, roles, contents):
+        """`chat`: conversations (B, M) -> their replies and prompts (B,)."""
+        prompts = _render_turns(roles, contents, self._turn_pieces)  # (B,)
+        completions = self.generate(prompts)["completions"]  # (B,)
+        if self._end_of_turn:  # the reply ends where the template ends a turn
+            completions = tf.strings.regex_replace(
+                completions, "(?s)" + re.escape(self._end_of_turn) + ".*", "")
+        return {"replies": completions, "prompts": prompts}
 
     @tf.function(input_signature=[tf.TensorSpec([None, None], tf.int32, name="token_ids")])
     def logits(self, token_ids):
@@ -166,6 +211,7 @@ def export(
     seed=0,
     stop_at_eos=True,
     jit_compile=False,
+    chat_template=None,
 ):
     """Writes the SavedModel described in the module docstring to `directory`.
 
@@ -182,6 +228,7 @@ def export(
         seed=seed,
         stop_at_eos=stop_at_eos,
         jit_compile=jit_compile,
+        chat_template=chat_template,
     )
     # Standard TensorFlow ops only: the SavedModel must load where tfgpt's
     # fused kernels are not built (TF Serving, another machine).
@@ -194,9 +241,38 @@ def export(
                 "serving_default": generate,
                 "generate": generate,
                 "logits": module.logits.get_concrete_function(),
+                **({"chat": module.chat.get_concrete_function()}
+                   if chat_template is not None else {}),
             },
         )
     return module
+
+
+_NO_PIECE = "\x00"  # the lookup of a pair of roles the template has no piece for
+
+
+def _render_turns(roles, contents, table):
+    """Conversations, roles and contents (B, M) ("" roles pad a row's end), as
+    text (B,): each content after the piece of its role and the one before
+    (`table`: `ChatTemplate.turn_pieces`), and the last piece after them."""
+    present = roles != ""  # (B, M)
+    previous = tf.concat([tf.fill([tf.shape(roles)[0], 1], "start"), roles[:, :-1]], axis=1)
+    leads = table.lookup(tf.strings.join([previous, roles], separator="|"))  # (B, M)
+    counts = tf.reduce_sum(tf.cast(present, tf.int32), axis=1)  # (B,)
+    last = tf.gather(roles, tf.maximum(counts - 1, 0), batch_dims=1)  # (B,)
+    ends = table.lookup(tf.strings.join(["end", last], separator="|"))  # (B,)
+    # Roles in an order the template's pieces do not cover, a row that does
+    # not end with the user's turn, or padding before a turn.
+    valid = tf.reduce_all(tf.logical_or(~present, leads != _NO_PIECE)) & tf.reduce_all(
+        ends != _NO_PIECE) & tf.reduce_all(
+        tf.reduce_sum(tf.cast(present, tf.int32), axis=1) == counts) & tf.reduce_all(
+        tf.equal(present, tf.sequence_mask(counts, tf.shape(roles)[1])))
+    check = tf.debugging.Assert(valid, [
+        "chat: each row's roles must be [system,] user, assistant, user, ..., user, padded "
+        "with \"\" at the end; got", roles], summarize=64)
+    with tf.control_dependencies([check]):
+        turns = tf.where(present, tf.strings.join([leads, contents]), "")  # (B, M)
+        return tf.strings.join([tf.strings.reduce_join(turns, axis=1), ends])
 
 
 def _prepare_prompts(prompt_ids, max_length, start_id):
@@ -226,6 +302,7 @@ def _left_pad(prompt_ids):
 def main(argv=None):
     args = parse_args(argv)
 
+    from pipelines.chat_template import chat_template_of
     from tfgpt.loading import load_model
 
     model, tokenizer = load_model(args.checkpoint)
@@ -242,6 +319,7 @@ def main(argv=None):
         seed=args.seed,
         stop_at_eos=not args.ignore_eos,
         jit_compile=args.xla,
+        chat_template=chat_template_of(args.checkpoint) if args.chat else None,
     )
     print(f"wrote {args.output}", file=sys.stderr)
 
