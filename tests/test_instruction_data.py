@@ -398,6 +398,69 @@ def test_an_adapter_run_stopped_and_resumed_equals_the_uninterrupted_one(tmp_pat
     resumed, _ = _train([*common, "--out", str(tmp_path / "resumed"), "--resume"])
     for mine, theirs in zip(resumed.weights, straight.weights):
         np.testing.assert_array_equal(mine.numpy(), theirs.numpy(), err_msg=mine.path)
+    # Its checkpoints hold the adapters alone (and their optimizer state, the
+    # step, the dropout states) and name the base: the --init run's checkpoint.
+    from tfgpt.checkpoint.files import Reader, latest
+    from tfgpt.checkpoint.state import model_entries
+    from tfgpt.models.adapters import adapter_variables, base_keys
+
+    adapters = {id(v) for v in adapter_variables(resumed)}
+    adapter_keys = {e.key for e in model_entries(resumed) if id(e.variable) in adapters}
+    assert len(adapter_keys) == 2 * 2 * 2  # A and B of 2 projections in 2 blocks
+    checkpoint = latest(str(tmp_path / "resumed"))
+    reader = Reader(checkpoint)
+    assert reader.index["base"]["run"] == str(pretrained)
+    assert reader.index["base"]["checkpoint"] == latest(str(pretrained))
+    assert not set(reader.keys) & base_keys(resumed)
+    assert adapter_keys <= set(reader.keys)
+    rest = {key for key in reader.keys if key not in adapter_keys}
+    assert all(key in ("step",) or key.startswith(("optimizer/", "rng/"))
+               or key.rsplit("/", 1)[0] in adapter_keys for key in rest), sorted(rest)
+    saved = sum(int(np.prod(entry["shape"])) for key, entry in reader.keys.items()
+                if not key.startswith("rng/"))
+    assert saved < sum(int(np.prod(v.shape)) for v in resumed.weights if id(v) not in adapters)
+
+
+def test_adapters_on_another_or_a_missing_base_are_one_line_naming_both(tmp_path, tiny_data):
+    import shutil
+
+    from tfgpt.checkpoint import save_weights
+    from tfgpt.checkpoint.files import latest
+    from tfgpt.loading import load_model
+
+    pretrained = tmp_path / "pretrained"
+    _train(["--data", str(tiny_data), "--out", str(pretrained), "--steps", "2", *TINY])
+    code, data = _prepare(tmp_path, tiny_data, _examples(60))
+    assert code == 0
+    common = ["--data", str(data), "--task", "sft", "--init", str(pretrained), *TINY[-8:],
+              "--steps", "2", "--learning-rate", "0.02", "--lora-rank", "2"]
+    lora = tmp_path / "lora"
+    _train([*common, "--out", str(lora)])
+    base_checkpoint = latest(str(pretrained))
+    adapters = latest(str(lora))
+    # An adapter run is no --init: its checkpoints lack the base weights.
+    with pytest.raises(ValueError, match=f"--init {lora} is an adapter run .* to-tfgpt {lora}"):
+        _train([*common[:4], "--init", str(lora), *common[6:-2], "--out", str(tmp_path / "x")])
+
+    # The base checkpoint rewritten with other weights (one of them changed).
+    base, _ = load_model(str(pretrained))
+    base.weights[0].assign(base.weights[0] + 1e-3)
+    save_weights(str(pretrained), base, step=2)
+    assert latest(str(pretrained)) == base_checkpoint
+    message = (f"the adapters of {adapters} were trained on another base than "
+               f"{base_checkpoint} holds now")
+    with pytest.raises(ValueError, match=re.escape(message)) as raised:
+        load_model(str(lora))
+    assert "\n" not in str(raised.value)
+    with pytest.raises(ValueError, match=re.escape(message)):  # a resume, alike
+        _train([*common, "--out", str(lora), "--steps", "3", "--resume"])
+
+    shutil.rmtree(base_checkpoint)
+    with pytest.raises(ValueError, match=re.escape(
+            f"the adapters of {adapters} were trained on the base {base_checkpoint}, which "
+            "is missing")) as raised:
+        load_model(str(lora))
+    assert "\n" not in str(raised.value)
 
 
 # A template short enough for TINY's 16 tokens: "X Y =" asks, " Y X." answers.

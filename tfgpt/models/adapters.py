@@ -31,6 +31,9 @@ import os
 import keras
 import numpy as np
 
+from tfgpt.checkpoint.base import AdapterBase
+from tfgpt.checkpoint.files import INDEX_FILE, Reader, latest
+from tfgpt.checkpoint.run import load_parts, load_weights
 from tfgpt.checkpoint.state import key_names, model_entries, relative_key
 from tfgpt.layers.activated_dense import ActivatedDense
 
@@ -92,6 +95,32 @@ def adapter_variables(model):
     """The adapters' A and B matrices of `model`, in model order."""
     ids = {id(v) for layer in adapted_layers(model) for v in (layer.adapter_a, layer.adapter_b)}
     return [v for v in model.variables if id(v) in ids]
+
+
+def base_keys(model):
+    """The checkpoint keys of `model`'s own weights: every one but its adapters'
+    (and its dropouts' states), which an adapter run reads from its base."""
+    adapters = {id(variable) for variable in adapter_variables(model)}
+    return {entry.key for entry in model_entries(model) if id(entry.variable) not in adapters}
+
+
+def load_adapters(directory, model):
+    """Reads an adapter run's latest checkpoint into `model` (whole, with the
+    run's adapters added): the adapters from it, the base weights from the
+    base it names (`tfgpt.checkpoint.base`; a checkpoint that holds the
+    whole model: from it). Returns the checkpoint's path."""
+    path = latest(directory)
+    if path is None:
+        raise FileNotFoundError(f"no checkpoint (ckpt-N/{INDEX_FILE}) in {directory}")
+    reader = Reader(path)
+    reference = reader.index.get("base")
+    reader.close()
+    if reference is None:
+        return load_weights(directory, model)
+    base = base_keys(model)
+    entries = model_entries(model)
+    AdapterBase(lambda: [e for e in entries if e.key in base]).restore(reference, path)
+    return load_parts(directory, [entry for entry in entries if entry.key not in base])
 
 
 def merged(model):
