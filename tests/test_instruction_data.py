@@ -345,6 +345,23 @@ def test_sft_starts_from_the_init_runs_weights_and_learns_the_completions(tmp_pa
     ids = np.arange(12, dtype="int32").reshape(2, 6) % 50
     np.testing.assert_allclose(folded(ids).numpy(), adapted(ids).numpy(), rtol=0, atol=1e-5)
     assert np.abs(folded(ids).numpy() - loaded(ids).numpy()).max() > 1e-3  # not the base
+    # `python -m tfgpt.convert merge` writes a plain run with them folded in,
+    # which loads (and converts) as any run does.
+    from tfgpt import convert
+    from tfgpt.checkpoint.files import Reader, latest
+
+    convert.main(["merge", str(tmp_path / "lora"), str(tmp_path / "merged")])
+    assert "base" not in Reader(latest(str(tmp_path / "merged"))).index
+    assert "train" not in json.loads((tmp_path / "merged" / "config.json").read_text())
+    plain, _ = load_model(str(tmp_path / "merged"))
+    assert not adapter_variables(plain)
+    np.testing.assert_allclose(plain(ids).numpy(), adapted(ids).numpy(), rtol=0, atol=1e-5)
+    convert.main(["to-gpt2", str(tmp_path / "merged"), str(tmp_path / "gpt2")])
+    converted, _ = convert.load_gpt2_checkpoint(str(tmp_path / "gpt2"), load_tokenizer=False)
+    np.testing.assert_allclose(converted(ids).numpy(), adapted(ids).numpy(), rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match=f"{tmp_path / 'tuned'} trained no adapters .*: "
+                       "nothing to merge"):
+        convert.merge(str(tmp_path / "tuned"), str(tmp_path / "not-merged"))
 
 
 def test_init_is_checked_against_the_family_and_the_datas_tokenizer(tmp_path, tiny_data):
@@ -439,7 +456,7 @@ def test_adapters_on_another_or_a_missing_base_are_one_line_naming_both(tmp_path
     base_checkpoint = latest(str(pretrained))
     adapters = latest(str(lora))
     # An adapter run is no --init: its checkpoints lack the base weights.
-    with pytest.raises(ValueError, match=f"--init {lora} is an adapter run .* to-tfgpt {lora}"):
+    with pytest.raises(ValueError, match=f"--init {lora} is an adapter run .* merge {lora} DIR"):
         _train([*common[:4], "--init", str(lora), *common[6:-2], "--out", str(tmp_path / "x")])
 
     # The base checkpoint rewritten with other weights (one of them changed).

@@ -58,7 +58,7 @@ def whole_model_checkpoint(directory):
     if "base" in reader.index:
         raise ValueError(f"--init {directory} is an adapter run (its checkpoints hold the "
                          "adapters alone): fold them into their base first, "
-                         f"`python -m tfgpt.convert to-tfgpt {directory} DIR`, and start from DIR")
+                         f"`python -m tfgpt.convert merge {directory} DIR`, and start from DIR")
     return path
 
 
