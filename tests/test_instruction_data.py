@@ -364,6 +364,16 @@ def test_sft_starts_from_the_init_runs_weights_and_learns_the_completions(tmp_pa
         convert.merge(str(tmp_path / "tuned"), str(tmp_path / "not-merged"))
 
 
+def test_a_lora_target_the_model_lacks_is_one_line(tmp_path, tiny_data):
+    # The MLP of TINY is not gated: it has no feedforward_gate.
+    with pytest.raises(ValueError, match="the adapter target 'feedforward_gate' names no "
+                       "projection of this model, which has feedforward_intermediate, "
+                       "feedforward_output, output_projection, query_key_value$") as raised:
+        _train(["--data", str(tiny_data), "--out", str(tmp_path / "a"), "--steps", "1", *TINY,
+                "--lora-rank", "2", "--lora-targets", "query_key_value,feedforward_gate"])
+    assert "\n" not in str(raised.value)
+
+
 def test_init_is_checked_against_the_family_and_the_datas_tokenizer(tmp_path, tiny_data):
     with pytest.raises(FileNotFoundError, match="not a tfgpt run directory"):
         _train(["--data", str(tiny_data), "--out", str(tmp_path / "a"), "--steps", "1",

@@ -40,6 +40,9 @@ from tfgpt.layers.activated_dense import ActivatedDense
 TARGETS = ("query_key_value", "query", "key_value", "output_projection", "feedforward_gate",
            "feedforward_intermediate", "feedforward_output")
 DEFAULT_TARGETS = ("query_key_value", "query", "key_value", "output_projection")
+# The fused attention input and its grouped-query form: targets may name both.
+ALTERNATIVES = {"query_key_value": ("query", "key_value"), "query": ("query_key_value",),
+                "key_value": ("query_key_value",)}
 
 
 def _projections(model):
@@ -52,8 +55,10 @@ def add_adapters(model, rank=8, alpha=16.0, dropout=0.0, targets=DEFAULT_TARGETS
     """Freezes `model` and adds an adapter to each projection named in `targets`.
 
     Returns the adapted layers. Raises ValueError, in one line, for a target
-    that names no projection of the model (the names it has are listed), and
-    for a model split across a tensor group (not supported yet).
+    that names no projection of the model (the names it has are listed;
+    `query_key_value` beside `query` and `key_value`, the fused and the
+    grouped-query attention's input, asks for the model's form), and for a
+    model split across a tensor group (not supported yet).
     """
     if model.tensor_slice.size > 1:
         raise ValueError("adapters on a tensor-parallel model are not supported yet: "
@@ -64,9 +69,15 @@ def add_adapters(model, rank=8, alpha=16.0, dropout=0.0, targets=DEFAULT_TARGETS
     if unknown:
         raise ValueError(f"no projection is named {unknown[0]!r}: adapter targets are "
                          f"{', '.join(TARGETS)}; this model has {', '.join(sorted(present))}")
-    if not present & set(targets):
-        raise ValueError(f"the adapter targets {', '.join(targets)} name no projection of this "
-                         f"model, which has {', '.join(sorted(present))}")
+    # The attention's input is one fused projection or, under grouped-query
+    # attention, two: targets that name both forms (the default, to fit both
+    # kinds of model) take the model's.
+    absent = [target for target in targets if target not in present
+              and not present & set(targets) & set(ALTERNATIVES.get(target, ()))]
+    if absent or not targets:
+        raise ValueError(f"the adapter target {absent[0] if absent else ''!r} names no "
+                         "projection of this model, which has "
+                         f"{', '.join(sorted(present))}")
     for variable in model.variables:
         variable.trainable = False
     adapted = [layer for name, layer in projections if name in targets]
