@@ -57,12 +57,10 @@ def add_adapters(model, rank=8, alpha=16.0, dropout=0.0, targets=DEFAULT_TARGETS
     Returns the adapted layers. Raises ValueError, in one line, for a target
     that names no projection of the model (the names it has are listed;
     `query_key_value` beside `query` and `key_value`, the fused and the
-    grouped-query attention's input, asks for the model's form), and for a
-    model split across a tensor group (not supported yet).
+    grouped-query attention's input, asks for the model's form). A model
+    built in tensor slices gets adapters split as their kernels are
+    (`ActivatedDense.enable_adapter`).
     """
-    if model.tensor_slice.size > 1:
-        raise ValueError("adapters on a tensor-parallel model are not supported yet: "
-                         "add them to the whole model")
     projections = _projections(model)
     present = {name for name, _ in projections}
     unknown = [target for target in targets if target not in TARGETS]
