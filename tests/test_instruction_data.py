@@ -362,6 +362,11 @@ def test_sft_starts_from_the_init_runs_weights_and_learns_the_completions(tmp_pa
     with pytest.raises(ValueError, match=f"{tmp_path / 'tuned'} trained no adapters .*: "
                        "nothing to merge"):
         convert.merge(str(tmp_path / "tuned"), str(tmp_path / "not-merged"))
+    # --init takes the merged run: its weights are the merged ones.
+    still_merged, _ = _train([*common[:4], "--init", str(tmp_path / "merged"), *common[6:], "--out",
+                              str(tmp_path / "from-merged"), "--steps", "1",
+                              "--learning-rate", "1e-30"])
+    np.testing.assert_allclose(still_merged(ids).numpy(), plain(ids).numpy(), rtol=0, atol=1e-5)
 
 
 def test_a_lora_target_the_model_lacks_is_one_line(tmp_path, tiny_data):
