@@ -352,7 +352,11 @@ def test_sft_starts_from_the_init_runs_weights_and_learns_the_completions(tmp_pa
 
     convert.main(["merge", str(tmp_path / "lora"), str(tmp_path / "merged")])
     assert "base" not in Reader(latest(str(tmp_path / "merged"))).index
-    assert "train" not in json.loads((tmp_path / "merged" / "config.json").read_text())
+    merged_config = json.loads((tmp_path / "merged" / "config.json").read_text())
+    assert "train" not in merged_config
+    # The run's chat template (its data's, ChatML's here) goes with it, for generate --chat.
+    lora_config = json.loads((tmp_path / "lora" / "config.json").read_text())
+    assert merged_config["chat_template"] == lora_config["chat_template"] is not None
     plain, _ = load_model(str(tmp_path / "merged"))
     assert not adapter_variables(plain)
     np.testing.assert_allclose(plain(ids).numpy(), adapted(ids).numpy(), rtol=0, atol=1e-5)

@@ -22,8 +22,9 @@ template if it has one, ckpt-0, tokenizer);
 a GPT-2 tokenizer, `vocab.json` and `merges.txt`. Reading safetensors needs
 only the `safetensors` package; `pytorch_model.bin` needs PyTorch. `merge`
 folds the adapters of a `--lora-rank` run into its base's kernels and writes
-a plain tfgpt run directory (config.json, ckpt-0, tokenizer), which
-`tfgpt.export`, `to-gpt2` and `--init` read like any other.
+a plain tfgpt run directory (config.json, with the run's chat template if it
+has one, ckpt-0, tokenizer), which `tfgpt.export`, `to-gpt2` and `--init`
+read like any other.
 """
 
 import argparse
@@ -92,6 +93,7 @@ def merge(source, output):
     """Writes the adapter run `source` with its adapters folded in as the tfgpt
     run `output`; returns the merged model. Raises ValueError in one line for
     a run that trained no adapters."""
+    from pipelines.chat_template import load_chat_template
     from tfgpt import loading
     from tfgpt.checkpoint import read_config
 
@@ -99,7 +101,8 @@ def merge(source, output):
         raise ValueError(f"{source} trained no adapters (no --lora-rank in its config.json): "
                          "nothing to merge; to-tfgpt copies a run as it is")
     model, tokenizer = loading.load_model(source)  # the adapters folded in (adapters.merged)
-    loading.save_model(output, model, tokenizer)
+    # (the chat template its data was prepared with, for tfgpt.generate --chat)
+    loading.save_model(output, model, tokenizer, chat_template=load_chat_template(source))
     return model
 
 
