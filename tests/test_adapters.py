@@ -108,14 +108,37 @@ def test_adapter_dropout_acts_in_training_only():
                            model(batch, training=False).numpy(), atol=1e-4)
 
 
+HAS = ("feedforward_intermediate, feedforward_output, output_projection, "
+       "query_key_value$")
+
+
 @pytest.mark.parametrize("targets, message", [
-    (("c_attn",), "no projection is named 'c_attn': adapter targets are query_key_value"),
-    (("feedforward_gate",), "name no projection of this model, which has feedforward_"),
+    (("c_attn",), "no projection is named 'c_attn': adapter targets are query_key_value, "
+     ".*; this model has " + HAS),
+    (("feedforward_gate",), "the adapter target 'feedforward_gate' names no projection of this "
+     "model, which has " + HAS),
+    # One of several that names nothing (the MLP is not gated) is refused too.
+    (("query_key_value", "feedforward_gate"), "target 'feedforward_gate' names no projection"),
+    ((), "target '' names no projection"),
 ])
 def test_a_target_that_names_no_layer_is_one_line(targets, message):
     with pytest.raises(ValueError, match=message) as raised:
         add_adapters(tiny(), RANK, ALPHA, targets=targets)
     assert "\n" not in str(raised.value)
+
+
+@pytest.mark.parametrize("fields, expected", [
+    ({}, {"query_key_value"}), ({"num_key_value_heads": 1}, {"query", "key_value"})])
+def test_targets_naming_both_attention_inputs_take_the_models_form(fields, expected):
+    targets = ("query_key_value", "query", "key_value")
+    assert {layer.name for layer in add_adapters(tiny(**fields), RANK, ALPHA,
+                                                 targets=targets)} == expected
+    # One form alone must be the model's.
+    with pytest.raises(ValueError, match="the adapter target '(query|key_value|query_key_value)"
+                       "' names no projection of this model, which has"):
+        add_adapters(tiny(**fields), RANK, ALPHA,
+                     targets=("query", "key_value") if "query_key_value" in expected
+                     else ("query_key_value",))
 
 
 def test_bad_adapter_settings_are_refused():
@@ -175,7 +198,8 @@ def test_decoder_adapters_load_in_peft_and_the_merged_model_in_transformers(case
     _reference(case, tmp_path / "base")
     model_type = json.loads((tmp_path / "base" / "config.json").read_text())["model_type"]
     model = load_hf_decoder(str(tmp_path / "base"))
-    add_adapters(model, RANK, ALPHA, targets=TARGETS)
+    names = {layer.name for layer in model.sublayers()}  # every projection the model has
+    add_adapters(model, RANK, ALPHA, targets=tuple(t for t in TARGETS if t in names))
     train_adapters(model, steps=3)
     batch = ids(length=7) % 97
     ours = model(batch).numpy()

@@ -42,6 +42,7 @@ COMMANDS = [
     ("tfgpt.convert", [], {}),
     ("tfgpt.convert", ["to-tfgpt"], {}),
     ("tfgpt.convert", ["to-gpt2"], {}),
+    ("tfgpt.convert", ["merge"], {}),
     ("tfgpt.export", [], {}),
     ("tfgpt.report", [], {}),
     ("tfgpt.slurm_launcher", [], {}),
@@ -115,7 +116,7 @@ def test_convert_help_lists_its_subcommands():
     text, _, report = _help("tfgpt.convert", [])
     assert report["code"] == 0 and not report["tensorflow"]
     listed = text.split("positional arguments:")[1]
-    assert "to-tfgpt" in listed and "to-gpt2" in listed, text
+    assert "to-tfgpt" in listed and "to-gpt2" in listed and "merge" in listed, text
 
 
 def test_tfgpt_lists_its_subcommands_and_runs_each_front_end():

@@ -345,6 +345,42 @@ def test_sft_starts_from_the_init_runs_weights_and_learns_the_completions(tmp_pa
     ids = np.arange(12, dtype="int32").reshape(2, 6) % 50
     np.testing.assert_allclose(folded(ids).numpy(), adapted(ids).numpy(), rtol=0, atol=1e-5)
     assert np.abs(folded(ids).numpy() - loaded(ids).numpy()).max() > 1e-3  # not the base
+    # `python -m tfgpt.convert merge` writes a plain run with them folded in,
+    # which loads (and converts) as any run does.
+    from tfgpt import convert
+    from tfgpt.checkpoint.files import Reader, latest
+
+    convert.main(["merge", str(tmp_path / "lora"), str(tmp_path / "merged")])
+    assert "base" not in Reader(latest(str(tmp_path / "merged"))).index
+    merged_config = json.loads((tmp_path / "merged" / "config.json").read_text())
+    assert "train" not in merged_config
+    # The run's chat template (its data's, ChatML's here) goes with it, for generate --chat.
+    lora_config = json.loads((tmp_path / "lora" / "config.json").read_text())
+    assert merged_config["chat_template"] == lora_config["chat_template"] is not None
+    plain, _ = load_model(str(tmp_path / "merged"))
+    assert not adapter_variables(plain)
+    np.testing.assert_allclose(plain(ids).numpy(), adapted(ids).numpy(), rtol=0, atol=1e-5)
+    convert.main(["to-gpt2", str(tmp_path / "merged"), str(tmp_path / "gpt2")])
+    converted, _ = convert.load_gpt2_checkpoint(str(tmp_path / "gpt2"), load_tokenizer=False)
+    np.testing.assert_allclose(converted(ids).numpy(), adapted(ids).numpy(), rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match=f"{tmp_path / 'tuned'} trained no adapters .*: "
+                       "nothing to merge"):
+        convert.merge(str(tmp_path / "tuned"), str(tmp_path / "not-merged"))
+    # --init takes the merged run: its weights are the merged ones.
+    still_merged, _ = _train([*common[:4], "--init", str(tmp_path / "merged"), *common[6:], "--out",
+                              str(tmp_path / "from-merged"), "--steps", "1",
+                              "--learning-rate", "1e-30"])
+    np.testing.assert_allclose(still_merged(ids).numpy(), plain(ids).numpy(), rtol=0, atol=1e-5)
+
+
+def test_a_lora_target_the_model_lacks_is_one_line(tmp_path, tiny_data):
+    # The MLP of TINY is not gated: it has no feedforward_gate.
+    with pytest.raises(ValueError, match="the adapter target 'feedforward_gate' names no "
+                       "projection of this model, which has feedforward_intermediate, "
+                       "feedforward_output, output_projection, query_key_value$") as raised:
+        _train(["--data", str(tiny_data), "--out", str(tmp_path / "a"), "--steps", "1", *TINY,
+                "--lora-rank", "2", "--lora-targets", "query_key_value,feedforward_gate"])
+    assert "\n" not in str(raised.value)
 
 
 def test_init_is_checked_against_the_family_and_the_datas_tokenizer(tmp_path, tiny_data):
@@ -398,6 +434,69 @@ def test_an_adapter_run_stopped_and_resumed_equals_the_uninterrupted_one(tmp_pat
     resumed, _ = _train([*common, "--out", str(tmp_path / "resumed"), "--resume"])
     for mine, theirs in zip(resumed.weights, straight.weights):
         np.testing.assert_array_equal(mine.numpy(), theirs.numpy(), err_msg=mine.path)
+    # Its checkpoints hold the adapters alone (and their optimizer state, the
+    # step, the dropout states) and name the base: the --init run's checkpoint.
+    from tfgpt.checkpoint.files import Reader, latest
+    from tfgpt.checkpoint.state import model_entries
+    from tfgpt.models.adapters import adapter_variables, base_keys
+
+    adapters = {id(v) for v in adapter_variables(resumed)}
+    adapter_keys = {e.key for e in model_entries(resumed) if id(e.variable) in adapters}
+    assert len(adapter_keys) == 2 * 2 * 2  # A and B of 2 projections in 2 blocks
+    checkpoint = latest(str(tmp_path / "resumed"))
+    reader = Reader(checkpoint)
+    assert reader.index["base"]["run"] == str(pretrained)
+    assert reader.index["base"]["checkpoint"] == latest(str(pretrained))
+    assert not set(reader.keys) & base_keys(resumed)
+    assert adapter_keys <= set(reader.keys)
+    rest = {key for key in reader.keys if key not in adapter_keys}
+    assert all(key in ("step",) or key.startswith(("optimizer/", "rng/"))
+               or key.rsplit("/", 1)[0] in adapter_keys for key in rest), sorted(rest)
+    saved = sum(int(np.prod(entry["shape"])) for key, entry in reader.keys.items()
+                if not key.startswith("rng/"))
+    assert saved < sum(int(np.prod(v.shape)) for v in resumed.weights if id(v) not in adapters)
+
+
+def test_adapters_on_another_or_a_missing_base_are_one_line_naming_both(tmp_path, tiny_data):
+    import shutil
+
+    from tfgpt.checkpoint import save_weights
+    from tfgpt.checkpoint.files import latest
+    from tfgpt.loading import load_model
+
+    pretrained = tmp_path / "pretrained"
+    _train(["--data", str(tiny_data), "--out", str(pretrained), "--steps", "2", *TINY])
+    code, data = _prepare(tmp_path, tiny_data, _examples(60))
+    assert code == 0
+    common = ["--data", str(data), "--task", "sft", "--init", str(pretrained), *TINY[-8:],
+              "--steps", "2", "--learning-rate", "0.02", "--lora-rank", "2"]
+    lora = tmp_path / "lora"
+    _train([*common, "--out", str(lora)])
+    base_checkpoint = latest(str(pretrained))
+    adapters = latest(str(lora))
+    # An adapter run is no --init: its checkpoints lack the base weights.
+    with pytest.raises(ValueError, match=f"--init {lora} is an adapter run .* merge {lora} DIR"):
+        _train([*common[:4], "--init", str(lora), *common[6:-2], "--out", str(tmp_path / "x")])
+
+    # The base checkpoint rewritten with other weights (one of them changed).
+    base, _ = load_model(str(pretrained))
+    base.weights[0].assign(base.weights[0] + 1e-3)
+    save_weights(str(pretrained), base, step=2)
+    assert latest(str(pretrained)) == base_checkpoint
+    message = (f"the adapters of {adapters} were trained on another base than "
+               f"{base_checkpoint} holds now")
+    with pytest.raises(ValueError, match=re.escape(message)) as raised:
+        load_model(str(lora))
+    assert "\n" not in str(raised.value)
+    with pytest.raises(ValueError, match=re.escape(message)):  # a resume, alike
+        _train([*common, "--out", str(lora), "--steps", "3", "--resume"])
+
+    shutil.rmtree(base_checkpoint)
+    with pytest.raises(ValueError, match=re.escape(
+            f"the adapters of {adapters} were trained on the base {base_checkpoint}, which "
+            "is missing")) as raised:
+        load_model(str(lora))
+    assert "\n" not in str(raised.value)
 
 
 # A template short enough for TINY's 16 tokens: "X Y =" asks, " Y X." answers.

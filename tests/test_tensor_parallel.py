@@ -203,6 +203,17 @@ CASES = {
 }
 
 
+# Low-rank adapters on a frozen model (every projection, rank 2), split as their kernels.
+LORA_CASES = {
+    "tp2-lora": (2, ["--lora", "2", "--clip", "0.5"]),
+    # Grouped-query attention (query, key_value) and a gated MLP.
+    "tp2-lora-llama": (2, ["--lora", "2", "--llama"]),
+    # TP2 x DP2, ZeRO-1 sharding the adapters' optimizer state over the data groups.
+    "tp2-dp2-lora-zero1": (4, ["--lora", "2", "--clip", "0.5", "--zero-stage", "1"]),
+}
+LORA_ORACLES = {"tp2-lora": "one-lora", "tp2-lora-llama": "one-lora-llama",
+                "tp2-dp2-lora-zero1": "one-lora"}
+
 # GPT-J's shape unsplit: data parallel, and ZeRO stage 3, on 2 ranks.
 GPTJ_DATA = {"dp2-gptj": ["--gptj", "--tensor", "1"],
              "zero3-gptj": ["--gptj", "--tensor", "1", "--zero-stage", "3"]}
@@ -216,11 +227,13 @@ def tensor_runs(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tensor")
     runs = run_each(TRAIN_SCRIPT, directory, 0, [("one-clip", "--clip", "0.5"),
                                                  ("one-untied", "--untied"),
-                                                 ("one-gptj", "--gptj")])
+                                                 ("one-gptj", "--gptj"),
+                                                 ("one-lora", "--lora", "2", "--clip", "0.5"),
+                                                 ("one-lora-llama", "--lora", "2", "--llama")])
     for ranks in (2, 4):
         runs.update(run_each(TRAIN_SCRIPT, directory, ranks, [
-            *[(tag, "--tensor", "2", *flags) for tag, (size, flags) in CASES.items()
-              if size == ranks],
+            *[(tag, "--tensor", "2", *flags)
+              for tag, (size, flags) in {**CASES, **LORA_CASES}.items() if size == ranks],
             *([("dropout-first", "--dropout", "0.2")] if ranks == 2 else []),
             *([(tag, *flags) for tag, flags in GPTJ_DATA.items()] if ranks == 2 else [])]))
     return runs
@@ -244,6 +257,36 @@ def test_tensor_parallel_training_matches_one_process(tensor_runs):
             np.testing.assert_allclose(result["losses"], oracle["losses"], rtol=0, atol=1e-5,
                                        err_msg=tag)
             np.testing.assert_allclose(result["norms"], oracle["norms"], rtol=0, atol=1e-5,
+                                       err_msg=tag)
+        assert not np.allclose(oracle["losses"][0], oracle["losses"][-1])  # it trained
+        _assert_slices_join_to(results, 2, oracle, atol=1e-5)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_tensor_parallel_adapters_train_as_one_process(tensor_runs):
+    # Only the adapters train; under TP2 each block's B of the column-parallel
+    # projections and A of the row-parallel ones are split (by their kernel's rule),
+    # the other matrix replicated, and they join into the one process's adapters.
+    for tag, (ranks, flags) in LORA_CASES.items():
+        oracle, results = tensor_runs[LORA_ORACLES[tag]][0], tensor_runs[tag]
+        assert len(results) == ranks
+        # Per block: q/k/v (fused: 1, grouped: 2), the output projection, the MLP's
+        # first (gated: 2) and second; A and B each, one of the two split.
+        projections = 6 if "--llama" in flags else 4
+        assert _count(oracle) == 2 * 2 * projections, tag
+        split = sorted(key for key in results[0] if key.startswith("rule_"))
+        assert len(split) == 2 * projections, tag
+        for result in results:
+            np.testing.assert_allclose(result["losses"], oracle["losses"], rtol=0, atol=1e-5,
+                                       err_msg=tag)
+            # The replicated matrix's gradient is a sum of the slices' partial products,
+            # in another order than one process's: the first step's norm agrees to 1e-6
+            # relative, and Adam's steps on the adapters' small gradients carry it to
+            # 4e-5 by the sixth (Llama's shape; the weights stay within 1e-5).
+            np.testing.assert_allclose(result["norms"], oracle["norms"], rtol=1e-4, atol=0,
+                                       err_msg=tag)
+            np.testing.assert_allclose(result["norms"][0], oracle["norms"][0], rtol=1e-5,
                                        err_msg=tag)
         assert not np.allclose(oracle["losses"][0], oracle["losses"][-1])  # it trained
         _assert_slices_join_to(results, 2, oracle, atol=1e-5)
@@ -285,3 +328,64 @@ def test_tensor_parallel_dropout_is_deterministic_and_equal_where_replicated(ten
     assert split.sum() == 2  # one per block
     seeds_differ = (first[0]["seeds"] != first[1]["seeds"]).any(axis=1)
     np.testing.assert_array_equal(seeds_differ, split)
+
+
+# ---- An adapter run of train_hvd.py under TP2: checkpoints, resume, loading --------------
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_tp2_adapter_run_checkpoints_resumes_and_loads_as_one_process(tiny_data, tmp_path):
+    # Oracle: the same adapter run (--init, --lora-rank) in one process. Under TP2 its
+    # checkpoints hold the adapters' slices alone and name the base, a one-process
+    # resume of them continues with its losses, and tfgpt.loading folds them into
+    # the base as the one process's run folds its own.
+    import shutil
+
+    from tests.launch import launch_each, train_losses
+    from tfgpt.checkpoint.files import Reader, latest
+    from tfgpt.loading import load_model
+
+    model = ["--num-layers", "2", "--num-heads", "4", "--hidden-dim", "16",
+             "--intermediate-dim", "24", "--max-sequence-length", "16", "--dropout", "0.0",
+             "--norm", "rms", "--positions", "rotary", "--num-key-value-heads", "2",
+             "--feedforward", "gated", "--activation", "silu", "--no-tie-embeddings"]
+    common = ["--data", tiny_data, "--batch-size", "4", "--log-every", "1", "--eval-batches",
+              "0", "--warmup-steps", "0", "--learning-rate", "0.02", "--global-order",
+              "--no-scale-learning-rate"]
+    base = tmp_path / "base"
+    adapters = ["--init", base, "--steps", "4", "--save-every", "2", "--keep-checkpoints", "2",
+                "--lora-rank", "2", "--lora-targets", "query,key_value,output_projection,"
+                "feedforward_gate,feedforward_intermediate,feedforward_output"]
+    launch_each(REPO / "train_hvd.py", 0, [
+        [*common, *model, "--out", base, "--steps", "2"],
+        [*common, *adapters, "--out", tmp_path / "one"]])
+    launch_each(REPO / "train_hvd.py", 2, [
+        [*common, *adapters, "--out", tmp_path / "tp2", "--tensor-parallel", "2"]])
+    one, tp2 = train_losses(tmp_path / "one"), train_losses(tmp_path / "tp2")
+    assert sorted(one) == sorted(tp2) == [1, 2, 3, 4]
+    for step in one:
+        assert tp2[step] == pytest.approx(one[step], abs=1e-5), step
+
+    reader = Reader(latest(str(tmp_path / "tp2")))
+    assert reader.index["base"]["checkpoint"] == latest(str(base))
+    assert not [key for key in reader.keys if key.endswith(("/kernel", "/bias", "/gamma"))]
+    split = {key: entry for key, entry in reader.keys.items() if key.endswith("adapter_b")
+             and "query" in key}
+    assert split and all(len(entry["chunks"]) == 2 for entry in split.values())  # 2 slices
+
+    resumed = tmp_path / "tp2-on-one"
+    shutil.copytree(tmp_path / "tp2", resumed)
+    shutil.rmtree(resumed / "ckpt-4")
+    (resumed / "metrics.jsonl").unlink()
+    launch_each(REPO / "train_hvd.py", 0, [[*common, *adapters, "--out", resumed, "--resume"]])
+    again = train_losses(resumed)
+    assert sorted(again) == [3, 4]
+    for step in again:
+        assert again[step] == pytest.approx(tp2[step], abs=1e-5), step
+
+    ids = np.arange(12, dtype="int32").reshape(2, 6) % 50
+    folded = {run: load_model(str(tmp_path / run))[0](ids).numpy() for run in ("one", "tp2")}
+    np.testing.assert_allclose(folded["tp2"], folded["one"], rtol=0, atol=1e-5)
+    plain, _ = load_model(str(base))
+    assert np.abs(folded["one"] - plain(ids).numpy()).max() > 1e-3  # the adapters act

@@ -14,12 +14,17 @@ from here.
 Usage:
     python -m tfgpt.convert to-tfgpt GPT2_DIR OUTPUT_DIR
     python -m tfgpt.convert to-gpt2 TFGPT_DIR OUTPUT_DIR
+    python -m tfgpt.convert merge ADAPTER_RUN OUTPUT_DIR
 
 `to-tfgpt` writes a tfgpt run directory (config.json, with the source's chat
 template if it has one, ckpt-0, tokenizer);
 `to-gpt2` writes `config.json`, `model.safetensors` and, when the source has
 a GPT-2 tokenizer, `vocab.json` and `merges.txt`. Reading safetensors needs
-only the `safetensors` package; `pytorch_model.bin` needs PyTorch.
+only the `safetensors` package; `pytorch_model.bin` needs PyTorch. `merge`
+folds the adapters of a `--lora-rank` run into its base's kernels and writes
+a plain tfgpt run directory (config.json, with the run's chat template if it
+has one, ckpt-0, tokenizer), which `tfgpt.export`, `to-gpt2` and `--init`
+read like any other.
 """
 
 import argparse
@@ -50,6 +55,16 @@ def parse_args(argv=None):
         "model.safetensors and, for a GPT-2 byte-level BPE tokenizer, vocab.json\n"
         "and merges.txt.",
     )
+    merge = commands.add_parser(
+        "merge", formatter_class=HelpFormatter,
+        help="a tfgpt adapter run (--lora-rank) -> a tfgpt run with the adapters folded in",
+        description="Reads a tfgpt run that trained low-rank adapters (its checkpoint holds\n"
+        "the adapters and names their base), folds them into the base's kernels\n"
+        "(W + alpha / rank A B) and writes a plain tfgpt run directory (config.json,\n"
+        "ckpt-0, the tokenizer).",
+    )
+    merge.add_argument("source", metavar="ADAPTER_RUN", help="tfgpt adapter run to read")
+    merge.add_argument("output", metavar="OUTPUT_DIR", help="tfgpt run directory to write")
     to_tfgpt.add_argument("source", metavar="GPT2_DIR", help="GPT-2 directory to read")
     to_tfgpt.add_argument("output", metavar="OUTPUT_DIR", help="tfgpt run directory to write")
     to_gpt2.add_argument("source", metavar="TFGPT_DIR", help="tfgpt run or GPT-2 directory to read")
@@ -74,8 +89,29 @@ from tfgpt.models.gpt2.hf_conversion import gpt2_weight_map as weight_map  # noq
 from tfgpt.tokenizers import BytePairTokenizer  # noqa: E402
 
 
+def merge(source, output):
+    """Writes the adapter run `source` with its adapters folded in as the tfgpt
+    run `output`; returns the merged model. Raises ValueError in one line for
+    a run that trained no adapters."""
+    from pipelines.chat_template import load_chat_template
+    from tfgpt import loading
+    from tfgpt.checkpoint import read_config
+
+    if not (read_config(source).get("train") or {}).get("lora_rank"):
+        raise ValueError(f"{source} trained no adapters (no --lora-rank in its config.json): "
+                         "nothing to merge; to-tfgpt copies a run as it is")
+    model, tokenizer = loading.load_model(source)  # the adapters folded in (adapters.merged)
+    # (the chat template its data was prepared with, for tfgpt.generate --chat)
+    loading.save_model(output, model, tokenizer, chat_template=load_chat_template(source))
+    return model
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.command == "merge":
+        model = merge(args.source, args.output)
+        print(f"wrote {args.output} ({model.count_params():,} parameters, adapters merged)")
+        return
 
     from tfgpt import loading
 

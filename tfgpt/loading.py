@@ -27,7 +27,7 @@ from tfgpt.checkpoint import (
 )
 from tfgpt.config import GPTConfig
 from tfgpt.convert_decoders import ARCHITECTURES, converter, load_hf_decoder
-from tfgpt.models.adapters import add_run_adapters, merged
+from tfgpt.models.adapters import add_run_adapters, load_adapters, merged
 from tfgpt.models.gpt import GPT
 from tfgpt.tokenizers import check_tokenizer_matches_model
 from tfgpt.tokenizers.byte_pair_tokenizer import TOKENIZER_JSON_FILE, BytePairTokenizer
@@ -71,7 +71,7 @@ def load_model(directory, dtype=None):
     if tokenizer is not None:
         check_tokenizer_matches_model(tokenizer, model)
     if add_run_adapters(model, config.get("train") or {}):  # trained adapters: folded in
-        load_weights(directory, model)
+        load_adapters(directory, model)
         return merged(model), tokenizer
     load_weights(directory, model)
     return model, tokenizer

@@ -13,10 +13,14 @@ the attention probabilities' dropouts). With `--zero-stage 1`, each
 rank's optimizer is built on its shards of its slice (`ZeroSharding` over
 the data group), and the file also holds `shapes` (the slice's trainable
 variables' shapes, padded with -1) and `slot_elements` (this rank's
-elements of both optimizer moments).
+elements of both optimizer moments). With `--lora R` the model is frozen
+and low-rank adapters of rank R on every projection train alone (their B
+set to the same random whole values in both, so that the adapters act
+from the first step); `--llama` gives it grouped-query attention and a
+gated MLP.
 
 Usage: tensor_parallel_train.py OUT TAG [--tensor T] [--global] [--clip C]
-[--dropout P] [--untied] [--steps K] [--zero-stage S]
+[--dropout P] [--untied] [--steps K] [--zero-stage S] [--lora R] [--llama]
 """
 
 import argparse
@@ -27,8 +31,9 @@ import numpy as np
 from tfgpt import GPT
 from tfgpt.config.training import TrainConfig
 from tfgpt.layers.transformer_block import set_recompute
+from tfgpt.models.adapters import TARGETS, adapted_layers, add_adapters
 from tfgpt.optim.optimizers import make_optimizer
-from tfgpt.parallel.tensor_parallel import split_rules
+from tfgpt.parallel.tensor_parallel import split_rule, split_rules, take_slice
 from tfgpt.parallel.zero import slot_variables
 from tfgpt.training.train_step import TrainStep
 
@@ -63,6 +68,10 @@ def main(argv=None):
     parser.add_argument("--gptj", action="store_true",
                         help="GPT-J's switches: parallel residual, interleaved partial rotary "
                              "positions, no attention biases, an untied head with a bias")
+    parser.add_argument("--lora", type=int, default=0)
+    parser.add_argument("--llama", action="store_true",
+                        help="Llama's switches: grouped-query attention, a gated SiLU MLP, "
+                             "RMS norms, rotary positions, an untied head")
     args = parser.parse_args(argv)
 
     if args.global_batch:
@@ -83,9 +92,22 @@ def main(argv=None):
         gptj = dict(positions="rotary", rotary_fraction=0.5, rotary_interleaved=True,
                     attention_bias=False, output_bias=False, residual="parallel",
                     tie_embeddings=False, lm_head_bias=True) if args.gptj else {}
+        llama = dict(num_key_value_heads=2, feedforward="gated", activation="silu", norm="rms",
+                     positions="rotary", tie_embeddings=False) if args.llama else {}
         model = GPT(vocabulary_size=VOCABULARY, num_layers=2, num_heads=4, hidden_dim=16,
                     intermediate_dim=24, max_sequence_length=LENGTH, dropout=args.dropout,
-                    **{"tie_embeddings": not args.untied, **gptj})
+                    **{"tie_embeddings": not args.untied, **gptj, **llama})
+        if args.lora:
+            names = {layer.name for layer in model.sublayers()}
+            add_adapters(model, args.lora, 2.0 * args.lora,
+                         targets=tuple(t for t in TARGETS if t in names))
+    rng = np.random.default_rng(3)
+    for layer in adapted_layers(model):  # B: the whole values, this slice's part of them
+        rule = split_rule(layer.adapter_b.path) if args.tensor > 1 else None
+        size = args.tensor if rule and not args.global_batch else 1
+        whole = rng.normal(0, 0.3, (args.lora, layer.units * size)).astype("float32")
+        index = distribution.tensor_slice.index if size > 1 else 0
+        layer.adapter_b.assign(take_slice(whole, rule, size, index) if size > 1 else whole)
     set_recompute(model, args.recompute)
     optimizer = make_optimizer(config, 1, steps=args.steps)
     zero = None

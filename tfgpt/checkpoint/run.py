@@ -82,14 +82,19 @@ class RunCheckpointer:
         keep: int. Checkpoints kept (0: all).
         after_restore: callable `()` run after a restore (ZeRO gathers the
             weights of its shards), or None.
+        base: `tfgpt.checkpoint.base.AdapterBase` of an adapter run, or None.
+            Once it holds a reference, `entries` leaves the base weights out
+            and the index names the base instead (`"base"`); a restore loads
+            the base that the checkpoint names before the rest.
     """
 
-    def __init__(self, directory, distribution, entries, keep=3, after_restore=None):
+    def __init__(self, directory, distribution, entries, keep=3, after_restore=None, base=None):
         self.directory = directory
         self.distribution = distribution
         self.entries = entries
         self.keep = keep
         self.after_restore = after_restore
+        self.base = base
         self._input = None
 
     @property
@@ -139,9 +144,12 @@ class RunCheckpointer:
             error = f"rank {rank}: {failure}"
         self._agree(error, root)  # every rank's files are on disk
         error = None
+        meta = {"layout": layout}
+        if self.base is not None and self.base.reference is not None:
+            meta["base"] = self.base.reference
         if self.distribution.is_chief:
             try:
-                files.commit(self.directory, step, layout["ranks"], {"layout": layout}, self.keep)
+                files.commit(self.directory, step, layout["ranks"], meta, self.keep)
             except OSError as failure:
                 error = f"the index, rank {rank}: {failure}"
         self._agree(error, root)  # the index too
@@ -171,6 +179,11 @@ class RunCheckpointer:
         coordinates, layout = layout_of(self.distribution)
         reader = Reader(path)
         try:
+            if "base" in reader.index:  # the adapters alone: their base first
+                if self.base is None:
+                    raise ValueError(f"{path} holds adapters alone, and this run trains none "
+                                     "(--lora-rank 0)")
+                self.base.restore(reader.index["base"], path)
             same = reader.index["layout"] == layout
             for entry in self.entries():
                 if entry.per_rank:

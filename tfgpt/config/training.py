@@ -255,7 +255,9 @@ class TrainConfig(RunConfig):
         lora_dropout: float. Dropout on the adapters' input.
         lora_targets: str. Comma-separated projection names (`query_key_value`,
             `query`, `key_value`, `output_projection`, `feedforward_gate`,
-            `feedforward_intermediate`, `feedforward_output`).
+            `feedforward_intermediate`, `feedforward_output`), each one the
+            model has (the default names the fused and the grouped-query
+            attention's input: the model's is taken).
     """
 
     CHOICES: typing.ClassVar[dict] = {**RunConfig.CHOICES, "task": TASKS}

@@ -1,9 +1,11 @@
 """A dense layer whose named activation may be fused with its bias add."""
 
 import keras
+import tensorflow as tf
 
 from tfgpt import kernels
 from tfgpt.config.models import ACTIVATIONS
+from tfgpt.parallel.tensor_parallel import current_slice, split_rule
 
 _GELU_APPROXIMATE = {"gelu": False, "gelu_tanh": True}
 
@@ -42,6 +44,9 @@ class ActivatedDense(keras.layers.Dense):
         super().__init__(units, activation=None, **kwargs)
         self.activation_name = activation
         self.adapter_rank = 0  # no adapter (`enable_adapter`)
+        # The tensor slice of the block it was built for (an adapter's split follows it).
+        self.tensor_slice = current_slice()
+        self._replicated_adapter = None
 
     @property
     def base_kernel(self):
@@ -62,6 +67,12 @@ class ActivatedDense(keras.layers.Dense):
         (Keras's own `enable_lora` folds A B into the kernel at every call,
         whose gradient is then a whole kernel's; here it stays two thin
         products, and dropout applies to the adapter's input.)
+
+        In a layer built in tensor slices the adapter is split as its kernel
+        is (`tfgpt.parallel.tensor_parallel.SPLIT_RULES`): a column-parallel
+        layer's B by its columns, a row-parallel layer's A by its rows (then
+        its dropout draws this slice's own masks); the other matrix is whole
+        on every slice, and A starts as the slice of the whole layer's A.
         """
         if not self.built:
             raise ValueError(f"{self.name}: build the layer before adding an adapter")
@@ -71,19 +82,32 @@ class ActivatedDense(keras.layers.Dense):
             raise ValueError(
                 "An adapter needs rank >= 1, alpha > 0 and dropout in [0, 1). "
                 f"Received: rank={rank}, alpha={alpha}, dropout={dropout} ({self.name})")
-        fan_in = self.base_kernel.shape[0]
+        tensor_slice = self.tensor_slice
+        rules = {name: split_rule(f"{self.name}/{name}") if tensor_slice.size > 1 else None
+                 for name in ("adapter_a", "adapter_b")}
+        fan_in = self.base_kernel.shape[0]  # this slice's rows
+        whole_fan_in = fan_in * (tensor_slice.size if rules["adapter_a"] else 1)
         self._tracker.unlock()
-        # PEFT's kaiming_uniform_(a=sqrt(5)): bound = 1 / sqrt(fan_in).
-        bound = 1.0 / fan_in ** 0.5
+        # PEFT's kaiming_uniform_(a=sqrt(5)): bound = 1 / sqrt(fan_in), of the whole layer.
+        bound = 1.0 / whole_fan_in ** 0.5
+        initializer = keras.initializers.RandomUniform(-bound, bound)
+        if rules["adapter_a"]:
+            initializer = tensor_slice.initializer(initializer, (whole_fan_in, rank),
+                                                   rules["adapter_a"])
         self.adapter_a = self.add_weight(
             name="adapter_a", shape=(fan_in, rank), dtype=self.variable_dtype,
-            initializer=keras.initializers.RandomUniform(-bound, bound))
+            initializer=initializer)
         self.adapter_b = self.add_weight(
             name="adapter_b", shape=(rank, self.units), dtype=self.variable_dtype,
             initializer="zeros")
         self.adapter_dropout = keras.layers.Dropout(dropout, dtype=self.dtype_policy,
                                                     name="adapter_dropout")
         self._tracker.lock()
+        if rules["adapter_a"] and dropout > 0:  # this slice's part of the input
+            tensor_slice.seed_dropout(self.adapter_dropout)
+        # The matrix whole beside a split one: its gradient here is this slice's share.
+        self._replicated_adapter = ("adapter_a" if rules["adapter_b"] else
+                                    "adapter_b" if rules["adapter_a"] else None)
         self.base_kernel.trainable = False
         if self.bias is not None:
             self.bias.trainable = False
@@ -96,7 +120,13 @@ class ActivatedDense(keras.layers.Dense):
     def adapter_output(self, inputs, training=None):
         """`(alpha / rank) dropout(inputs) A B`, the adapter's share of the output."""
         x = self.adapter_dropout(inputs, training=training)
-        x = keras.ops.matmul(keras.ops.matmul(x, self.adapter_a), self.adapter_b)
+        a, b = self.adapter_a, self.adapter_b
+        # A split layer: f (identity forward) sums the whole matrix's gradient over the group.
+        if self._replicated_adapter == "adapter_a":
+            a = self.tensor_slice.copy_to_group(tf.cast(a, x.dtype))
+        elif self._replicated_adapter == "adapter_b":
+            b = self.tensor_slice.copy_to_group(tf.cast(b, x.dtype))
+        x = keras.ops.matmul(keras.ops.matmul(x, a), b)  # (..., r), then (..., units)
         return x * keras.ops.cast(self.adapter_scale, x.dtype)
 
     def call(self, inputs, training=None):

@@ -31,12 +31,18 @@ import os
 import keras
 import numpy as np
 
+from tfgpt.checkpoint.base import AdapterBase
+from tfgpt.checkpoint.files import INDEX_FILE, Reader, latest
+from tfgpt.checkpoint.run import load_parts, load_weights
 from tfgpt.checkpoint.state import key_names, model_entries, relative_key
 from tfgpt.layers.activated_dense import ActivatedDense
 
 TARGETS = ("query_key_value", "query", "key_value", "output_projection", "feedforward_gate",
            "feedforward_intermediate", "feedforward_output")
 DEFAULT_TARGETS = ("query_key_value", "query", "key_value", "output_projection")
+# The fused attention input and its grouped-query form: targets may name both.
+ALTERNATIVES = {"query_key_value": ("query", "key_value"), "query": ("query_key_value",),
+                "key_value": ("query_key_value",)}
 
 
 def _projections(model):
@@ -49,21 +55,27 @@ def add_adapters(model, rank=8, alpha=16.0, dropout=0.0, targets=DEFAULT_TARGETS
     """Freezes `model` and adds an adapter to each projection named in `targets`.
 
     Returns the adapted layers. Raises ValueError, in one line, for a target
-    that names no projection of the model (the names it has are listed), and
-    for a model split across a tensor group (not supported yet).
+    that names no projection of the model (the names it has are listed;
+    `query_key_value` beside `query` and `key_value`, the fused and the
+    grouped-query attention's input, asks for the model's form). A model
+    built in tensor slices gets adapters split as their kernels are
+    (`ActivatedDense.enable_adapter`).
     """
-    if model.tensor_slice.size > 1:
-        raise ValueError("adapters on a tensor-parallel model are not supported yet: "
-                         "add them to the whole model")
     projections = _projections(model)
     present = {name for name, _ in projections}
     unknown = [target for target in targets if target not in TARGETS]
     if unknown:
         raise ValueError(f"no projection is named {unknown[0]!r}: adapter targets are "
                          f"{', '.join(TARGETS)}; this model has {', '.join(sorted(present))}")
-    if not present & set(targets):
-        raise ValueError(f"the adapter targets {', '.join(targets)} name no projection of this "
-                         f"model, which has {', '.join(sorted(present))}")
+    # The attention's input is one fused projection or, under grouped-query
+    # attention, two: targets that name both forms (the default, to fit both
+    # kinds of model) take the model's.
+    absent = [target for target in targets if target not in present
+              and not present & set(targets) & set(ALTERNATIVES.get(target, ()))]
+    if absent or not targets:
+        raise ValueError(f"the adapter target {absent[0] if absent else ''!r} names no "
+                         "projection of this model, which has "
+                         f"{', '.join(sorted(present))}")
     for variable in model.variables:
         variable.trainable = False
     adapted = [layer for name, layer in projections if name in targets]
@@ -92,6 +104,32 @@ def adapter_variables(model):
     """The adapters' A and B matrices of `model`, in model order."""
     ids = {id(v) for layer in adapted_layers(model) for v in (layer.adapter_a, layer.adapter_b)}
     return [v for v in model.variables if id(v) in ids]
+
+
+def base_keys(model):
+    """The checkpoint keys of `model`'s own weights: every one but its adapters'
+    (and its dropouts' states), which an adapter run reads from its base."""
+    adapters = {id(variable) for variable in adapter_variables(model)}
+    return {entry.key for entry in model_entries(model) if id(entry.variable) not in adapters}
+
+
+def load_adapters(directory, model):
+    """Reads an adapter run's latest checkpoint into `model` (whole, with the
+    run's adapters added): the adapters from it, the base weights from the
+    base it names (`tfgpt.checkpoint.base`; a checkpoint that holds the
+    whole model: from it). Returns the checkpoint's path."""
+    path = latest(directory)
+    if path is None:
+        raise FileNotFoundError(f"no checkpoint (ckpt-N/{INDEX_FILE}) in {directory}")
+    reader = Reader(path)
+    reference = reader.index.get("base")
+    reader.close()
+    if reference is None:
+        return load_weights(directory, model)
+    base = base_keys(model)
+    entries = model_entries(model)
+    AdapterBase(lambda: [e for e in entries if e.key in base]).restore(reference, path)
+    return load_parts(directory, [entry for entry in entries if entry.key not in base])
 
 
 def merged(model):

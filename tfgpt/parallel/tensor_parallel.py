@@ -65,6 +65,12 @@ SPLIT_RULES = {
     "feedforward_intermediate/kernel": (1, 1), "feedforward_intermediate/bias": (0, 1),
     "feedforward_output/kernel": (0, 1),
     "lm_head/kernel": (1, 1), "lm_head/bias": (0, 1),  # the vocabulary's columns
+    # Low-rank adapters (x A B) split as their kernel: B's columns under a column-parallel
+    # kernel, A's rows under a row-parallel one; the other matrix is replicated.
+    "query_key_value/adapter_b": (1, 3), "query/adapter_b": (1, 1),
+    "key_value/adapter_b": (1, 2), "output_projection/adapter_a": (0, 1),
+    "feedforward_gate/adapter_b": (1, 1), "feedforward_intermediate/adapter_b": (1, 1),
+    "feedforward_output/adapter_a": (0, 1),
 }
 
 # Added to the seed of a dropout in a split region (attention
@@ -305,10 +311,13 @@ class TensorSlice:
     def row_parallel(self, dense, x):
         """A row-parallel `keras.layers.Dense` on this slice's inputs `x` (..., n/T).
 
-        The slices' partial products are summed (g), then the replicated
-        bias is added once.
+        The slices' partial products (an adapter's too) are summed (g), then
+        the replicated bias is added once.
         """
-        y = self.reduce_from_group(tf.matmul(x, tf.cast(dense.kernel, x.dtype)))
+        y = tf.matmul(x, tf.cast(dense.kernel, x.dtype))
+        if getattr(dense, "adapter_rank", 0):  # its rows of A are this slice's
+            y = y + tf.cast(dense.adapter_output(x), y.dtype)
+        y = self.reduce_from_group(y)
         if dense.bias is not None:
             y = y + tf.cast(dense.bias, y.dtype)
         return y

@@ -24,9 +24,10 @@ from pipelines import reader
 from tfgpt import kernels
 from tfgpt.checkpoint import latest
 from tfgpt.checkpoint import run as checkpoint_run
+from tfgpt.checkpoint.base import AdapterBase, whole_model_checkpoint
 from tfgpt.checkpoint.state import model_entries, run_entries
 from tfgpt.cli import byte_size
-from tfgpt.models.adapters import adapter_variables
+from tfgpt.models.adapters import adapter_variables, base_keys
 from tfgpt.models.gpt import GPT
 from tfgpt.observe import flops, monitor
 from tfgpt.observe.profiling import StepProfiler
@@ -267,6 +268,7 @@ class RunPart:
     """
 
     stage = None
+    base = None
 
     @staticmethod
     def check(config, options, model_config):
@@ -281,6 +283,9 @@ class RunPart:
         self.distribution = distribution
         self.sharding = shard_state(model, optimizer, distribution,
                                     self.trained.trainable_variables)
+        # An adapter run's frozen base: its checkpoints name it instead of holding it.
+        self.base = (AdapterBase(lambda: self._entries(only=base_keys(self.model)))
+                     if adapter_variables(model) else None)
 
     @property
     def trained(self):
@@ -304,22 +309,32 @@ class RunPart:
         """Makes rank 0's state its data group's: what every rank of it holds alike."""
         self.distribution.broadcast_variables(self.sharding.broadcast_set() + [self.step])
 
-    def _entries(self, counters=()):
+    def _entries(self, counters=(), only=None):
+        """This rank's parts of the run's state (`only`: of these keys); an
+        adapter run whose base is loaded leaves the base weights out."""
         coordinates, _ = checkpoint_run.layout_of(self.distribution)
-        return run_entries(self.model, self.optimizer, coordinates, self.sharding,
-                           tensor_slice=self.distribution.tensor_slice, stage=self.stage,
-                           counters=counters)
+        entries = run_entries(self.model, self.optimizer, coordinates, self.sharding,
+                              tensor_slice=self.distribution.tensor_slice, stage=self.stage,
+                              counters=counters)
+        if only is not None:
+            return [entry for entry in entries if entry.key in only and not entry.per_rank]
+        if self.base is not None and self.base.reference is not None:
+            base = base_keys(self.model)
+            entries = [entry for entry in entries if entry.key not in base]
+        return entries
 
     def initialize_from(self, directory):
         """Reads the model's weights that this rank holds (not the optimizer's
         state, nor the step) from the latest checkpoint of the run `directory`,
-        whatever layout wrote it; returns its path (`--init`)."""
-        # (the model's own weights: adapters added for this run keep their start)
-        adapters = {id(variable) for variable in adapter_variables(self.model)}
-        weights = {entry.key for entry in model_entries(self.model)
-                   if id(entry.variable) not in adapters}
-        path = checkpoint_run.load_parts(directory, [
-            entry for entry in self._entries() if entry.key in weights and not entry.per_rank])
+        whatever layout wrote it; returns its path (`--init`). Under adapters
+        that checkpoint becomes the base its checkpoints name."""
+        if self.base is not None:  # (adapters added for this run keep their start)
+            path = self.base.initialize_from(directory)
+        else:
+            whole_model_checkpoint(directory)
+            weights = {entry.key for entry in model_entries(self.model)}
+            path = checkpoint_run.load_parts(directory, [
+                entry for entry in self._entries() if entry.key in weights and not entry.per_rank])
         self.sharding.after_restore()
         return path
 
@@ -337,7 +352,8 @@ class RunPart:
         return checkpoint_run.RunCheckpointer(config.out, self.distribution,
                                               lambda: self._entries(counters),
                                               keep=config.keep_checkpoints,
-                                              after_restore=self.sharding.after_restore)
+                                              after_restore=self.sharding.after_restore,
+                                              base=self.base)
 
 
 def state_line(trained, distribution, sharding):
