@@ -53,6 +53,7 @@ COMMANDS = [
     ("bench.memory", [], {"--presets": PRESETS, "--zero-stage": [0, 1, 2, 3]}),
     ("bench.memory", ["worker"], {"--preset": PRESETS}),
     ("bench.pipeline", [], {}),
+    ("bench.lora_memory", [], {}),
     ("bench.fault_times", [], {"--cases": ["data-horovod-stopped", "data-shared-memory-stopped",
                                            "pipeline-stopped", "tensor-stopped", "zero3-hung",
                                            "zero3-stopped"]}),
