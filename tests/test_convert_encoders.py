@@ -22,9 +22,15 @@ import transformers
 from tests import model_contract as contract
 from tests import numpy_encoder as ref
 from tfgpt import Bert, BertBackbone, SequenceClassifier, SpanQuestionAnswerer
-from tfgpt.config import FAMILIES
-from tfgpt.convert_encoders import load_hf_encoder, load_hf_weights, save_hf_encoder
+from tfgpt.config import ENCODER_FAMILIES, FAMILIES, FINETUNING_FAMILIES
+from tfgpt.convert_encoders import (
+    EncoderLayout,
+    load_hf_encoder,
+    load_hf_weights,
+    save_hf_encoder,
+)
 from tfgpt.hf_files import read_safetensors
+from tfgpt.models import encoder_families
 
 ATOL = 1e-4
 # The tiny sizes of tests/model_contract.py, so that `contract.tiny_fields()`
@@ -240,6 +246,24 @@ def test_read_safetensors_matches_the_safetensors_package(tmp_path):
     for name in ("float32", "float16", "int64"):
         np.testing.assert_array_equal(read[name], reference[name])
     np.testing.assert_array_equal(read["bfloat16"], tensors["bfloat16"].float().numpy())
+
+
+# ---- The families' folders ---------------------------------------------
+
+
+def test_every_encoder_family_is_its_folders_and_listed_once():
+    declared = encoder_families.ENCODER_FAMILIES
+    assert ENCODER_FAMILIES == tuple(declared) == ("bert", "albert", "roberta")
+    assert FINETUNING_FAMILIES == ("bert", "albert")
+    for name, family in declared.items():
+        # The trainers' presets are the folder's, each completed with the config's defaults.
+        assert list(FAMILIES[name].presets) == list(family.presets)
+        for preset, fields in family.presets.items():
+            assert FAMILIES[name].presets[preset] == {**FAMILIES[name].presets[preset], **fields}
+        assert FAMILIES[name].config_class.__name__ == family.config_class
+        assert FAMILIES[name].tasks == family.tasks
+        assert FAMILIES[name].backbone_class().__module__ == f"tfgpt.models.{name}.models"
+        assert isinstance(family.converter().LAYOUT, EncoderLayout)
 
 
 # ---- Bad checkpoints ----------------------------------------------------

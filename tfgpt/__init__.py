@@ -16,9 +16,9 @@ _MODULES = {
     "tfgpt.models.gpt": ("GPT",),
     "tfgpt.config": ("GPTConfig", "GPT_PRESETS", "BertConfig", "BERT_PRESETS", "AlbertConfig",
                      "ALBERT_PRESETS", "RobertaConfig", "ROBERTA_PRESETS"),
-    "tfgpt.models.albert": ("Albert", "AlbertBackbone"),
-    "tfgpt.models.bert": ("Bert", "BertBackbone"),
-    "tfgpt.models.roberta": ("Roberta", "RobertaBackbone"),
+    "tfgpt.models.albert.models": ("Albert", "AlbertBackbone"),
+    "tfgpt.models.bert.models": ("Bert", "BertBackbone"),
+    "tfgpt.models.roberta.models": ("Roberta", "RobertaBackbone"),
     "tfgpt.models.sequence_classifier": ("SequenceClassifier",),
     "tfgpt.models.span_question_answerer": ("SpanQuestionAnswerer",),
 }

@@ -1,4 +1,10 @@
-"""BERT, ALBERT and RoBERTa checkpoints in the transformers layout, in and out of tfgpt.
+"""Encoder checkpoints in the transformers layout, in and out of tfgpt, for every encoder family.
+
+Each encoder family (BERT, ALBERT, RoBERTa) is a folder of `tfgpt/models/`,
+listed in `tfgpt.models.encoder_families`; the folder's `hf_conversion.py`
+holds its `EncoderLayout`, the `config.json` keys and tensor names that
+differ between the families. This module does the rest for all of them, by
+the checkpoint's `model_type`.
 
 A transformers checkpoint directory holds `config.json` and its weights
 (`model.safetensors`, `pytorch_model.bin` or their shards: `tfgpt.hf_files`).
@@ -9,17 +15,16 @@ copies every tensor into it; `load_hf_weights` fills a model you built;
 directory must already be on disk, e.g. from
 `transformers.AutoModel.from_pretrained(...).save_pretrained(directory)`.
 
-Layout differences handled here:
+Layout differences handled here, for every family:
 - torch `Linear.weight` is (out, in); a Keras `Dense.kernel` is (in, out).
-- BERT's masked-LM decoder is tied to the word embeddings and its bias is
-  `cls.predictions.bias`; tfgpt's `MaskedLMHead` likewise reads the
-  backbone's token embedding and owns `output_bias`.
-- ALBERT stores `num_hidden_groups` shared layers under
-  `albert_layer_groups.{g}.albert_layers.0`; they fill `backbone.blocks[g]`.
-- RoBERTa's `max_position_embeddings` counts the `pad_token_id + 1` rows
-  before the first real token's; tfgpt's `max_sequence_length` does not.
-  `RobertaForMaskedLM` has no pooler; `Roberta`'s unused one is left out.
-  `_LAYOUTS` holds each family's tensor names.
+- The masked-LM decoder is tied to the word embeddings and has a bias of
+  its own; tfgpt's `MaskedLMHead` likewise reads the backbone's token
+  embedding and owns `output_bias`.
+- `max_position_embeddings` counts the rows before the first real token's
+  (RoBERTa's `pad_token_id + 1`); tfgpt's `max_sequence_length` does not
+  (the config's `first_position`).
+- A model whose outputs do not use the pooler (`*ForQuestionAnswering`,
+  a masked LM without a sentence-pair task) is written without it.
 
 Example:
 >>> model = load_hf_encoder("checkpoints/bert-base-uncased")  # doctest: +SKIP
@@ -38,6 +43,7 @@ import numpy as np
 from tfgpt.config import ENCODER_FAMILIES, FAMILIES
 from tfgpt.hf_files import read_hf_checkpoint
 from tfgpt.layers.layer_norm import LayerNorm
+from tfgpt.models import encoder_families
 from tfgpt.models.encoder_backbone import EncoderBackbone
 from tfgpt.models.encoder_pretraining_model import EncoderPretrainingModel
 from tfgpt.models.sequence_classifier import SequenceClassifier
@@ -46,27 +52,40 @@ from tfgpt.models.span_question_answerer import SpanQuestionAnswerer
 HEADS = ("pretraining", "classification", "question_answering", None)
 
 
-# The sublayers of a `TransformerBlock`, in the order `_Layout.block_parts`
+# The sublayers of a `TransformerBlock`, in the order `EncoderLayout.block_parts`
 # names them.
-_BLOCK_PARTS = (
+BLOCK_PARTS = (
     "attention.query", "attention.key", "attention.value", "attention.output_projection",
     "attention_norm", "feedforward_intermediate", "feedforward_output", "feedforward_norm",
 )
 
 
 @dataclasses.dataclass(frozen=True)
-class _Layout:
+class EncoderLayout:
     """Where a transformers checkpoint of one family keeps what tfgpt's model holds.
 
-    `fields`: tfgpt config field -> (config.json key, default; None:
-    required), beyond the fields every family reads alike. `required`:
-    config.json key -> the value tfgpt's model needs (None also accepted).
-    `block`: a block's tensor prefix, `{index}` its index in
-    `backbone.blocks`; `block_parts`: the names under it of `_BLOCK_PARTS`.
-    `masked_lm_transform`: the names under `masked_lm` of the head's dense
-    layer and layer norm. `classes`: the prefix of transformers' class
-    names. The rest name single tensors or layers (`pair_classifier` None:
-    no sentence-pair head).
+    Each encoder family's `hf_conversion.py` defines its `LAYOUT`
+    (`tfgpt.models.encoder_family.EncoderFamily`).
+
+    Args:
+        fields: dict. tfgpt config field -> (config.json key, default; None:
+            required), beyond the fields every family reads alike; written
+            back under the same keys.
+        required: dict. config.json key -> the value tfgpt's model needs
+            (None also accepted when reading).
+        block: str. A block's tensor prefix, `{index}` its index in
+            `backbone.blocks`.
+        block_parts: tuple of str. The names under it of `BLOCK_PARTS`.
+        pooler: str. The pooler's dense layer.
+        masked_lm: str. The masked-LM head (its bias is `{masked_lm}.bias`).
+        masked_lm_transform: tuple of str. The names under `masked_lm` of
+            the head's dense layer and layer norm.
+        pair_classifier: str or None. The sentence-pair head's dense layer;
+            None: no sentence-pair head.
+        sequence_classifier: str or None. The dense layer of
+            `*ForSequenceClassification`'s head; None: its head has a layout
+            tfgpt neither reads nor writes.
+        classes: str. The prefix of transformers' class names (`"Bert"`).
     """
 
     fields: dict
@@ -77,57 +96,20 @@ class _Layout:
     masked_lm: str
     masked_lm_transform: tuple
     pair_classifier: str | None
+    sequence_classifier: str | None
     classes: str
 
 
-_BERT_BLOCK_PARTS = (
-    "attention.self.query", "attention.self.key", "attention.self.value",
-    "attention.output.dense", "attention.output.LayerNorm",
-    "intermediate.dense", "output.dense", "output.LayerNorm",
-)
+def _titles():
+    """The encoder families' names as messages write them: "BERT, ALBERT or RoBERTa"."""
+    *others, last = (family.title for family in encoder_families.ENCODER_FAMILIES.values())
+    return f"{', '.join(others)} or {last}" if others else last
 
-_LAYOUTS = {
-    "bert": _Layout(
-        fields={},
-        required={},
-        block="encoder.layer.{index}",
-        block_parts=_BERT_BLOCK_PARTS,
-        pooler="pooler.dense",
-        masked_lm="cls.predictions",
-        masked_lm_transform=("transform.dense", "transform.LayerNorm"),
-        pair_classifier="cls.seq_relationship",
-        classes="Bert",
-    ),
-    # ALBERT stores `num_hidden_groups` shared layers under
-    # `albert_layer_groups.{g}.albert_layers.0`; they fill `backbone.blocks[g]`.
-    "albert": _Layout(
-        fields={"embedding_dim": ("embedding_size", None), "num_groups": ("num_hidden_groups", 1)},
-        required={"inner_group_num": 1},
-        block="encoder.albert_layer_groups.{index}.albert_layers.0",
-        block_parts=(
-            "attention.query", "attention.key", "attention.value",
-            "attention.dense", "attention.LayerNorm",
-            "ffn", "ffn_output", "full_layer_layer_norm",
-        ),
-        pooler="pooler",
-        masked_lm="predictions",
-        masked_lm_transform=("dense", "LayerNorm"),
-        pair_classifier="sop_classifier.classifier",
-        classes="Albert",
-    ),
-    # RoBERTa is BERT's encoder; its masked-LM head always applies exact GELU.
-    "roberta": _Layout(
-        fields={"pad_id": ("pad_token_id", None)},
-        required={"hidden_act": "gelu"},
-        block="encoder.layer.{index}",
-        block_parts=_BERT_BLOCK_PARTS,
-        pooler="pooler.dense",
-        masked_lm="lm_head",
-        masked_lm_transform=("dense", "layer_norm"),
-        pair_classifier=None,
-        classes="Roberta",
-    ),
-}
+
+def _layout(family):
+    """The `EncoderLayout` of the encoder family named `family` (its folder's)."""
+    return encoder_families.ENCODER_FAMILIES[family].converter().LAYOUT
+
 
 # transformers' activation names (transformers/activations.py ACT2FN) that
 # equal a tfgpt activation.
@@ -145,19 +127,19 @@ _ACTIVATIONS_TO_HF = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}
 
 
 def hf_encoder_config(hf_config, source="config.json"):
-    """Returns the `BertConfig`, `AlbertConfig` or `RobertaConfig` a transformers config describes.
+    """Returns the config (`BertConfig`, ...) a transformers encoder's config describes.
 
-    Raises ValueError, naming the field and its value, for a model type other
-    than bert/albert/roberta and for features tfgpt's encoders do not have
+    Raises ValueError, naming the field and its value, for a model type that
+    is no encoder family's and for features tfgpt's encoders do not have
     (relative positions, decoders, ALBERT's inner groups).
     """
     model_type = hf_config.get("model_type")
     if model_type not in ENCODER_FAMILIES:
         raise ValueError(
-            f"{source}: expected a BERT, ALBERT or RoBERTa checkpoint. "
+            f"{source}: expected a {_titles()} checkpoint. "
             f"Received: model_type={model_type!r}"
         )
-    layout = _LAYOUTS[model_type]
+    layout = _layout(model_type)
     required = {
         "position_embedding_type": "absolute",
         "is_decoder": False,
@@ -210,7 +192,7 @@ def hf_encoder_config(hf_config, source="config.json"):
 
 
 def load_hf_encoder(directory, family=None, head="pretraining"):
-    """Builds the tfgpt model a transformers BERT/ALBERT checkpoint describes and loads it.
+    """Builds the tfgpt model a transformers encoder checkpoint describes and loads it.
 
     Args:
         directory: str. A directory with `config.json` and its weights.
@@ -245,10 +227,11 @@ def load_hf_encoder(directory, family=None, head="pretraining"):
             f"{directory} holds a different architecture: expected a {family} checkpoint. "
             f"Received: model_type={model_type!r}"
         )
-    if head == "classification" and model_type == "roberta":
+    layout = _layout(model_type)
+    if head == "classification" and layout.sequence_classifier is None:
         raise ValueError(
-            f"{directory}: RobertaForSequenceClassification's head (classifier.dense, "
-            "classifier.out_proj) is not read by tfgpt; load the backbone alone. "
+            f"{directory}: {layout.classes}ForSequenceClassification's head has its own "
+            "layout, which tfgpt does not read; load the backbone alone. "
             f"Received: head={head!r}, model_type={model_type!r}"
         )
     fields = dataclasses.asdict(config)
@@ -309,7 +292,7 @@ def _backbone_of(model):
     if isinstance(model, (EncoderPretrainingModel, SequenceClassifier, SpanQuestionAnswerer)):
         return model.backbone
     raise ValueError(
-        "`model` must be a tfgpt BERT, ALBERT or RoBERTa model. "
+        f"`model` must be a tfgpt {_titles()} model. "
         f"Received: model of type {type(model).__name__}"
     )
 
@@ -370,7 +353,7 @@ def _backbone_map(prefix, backbone, layout):
         )
     for index, block in enumerate(backbone.blocks):
         hf_block = prefix + layout.block.format(index=index)
-        for part, hf_name in zip(_BLOCK_PARTS, layout.block_parts):
+        for part, hf_name in zip(BLOCK_PARTS, layout.block_parts):
             layer = functools.reduce(getattr, part.split("."), block)
             pairs += _layer_map(f"{hf_block}.{hf_name}", layer)
     return pairs + _dense(f"{prefix}{layout.pooler}", backbone.pooler)
@@ -390,7 +373,7 @@ def _head_map(model, layout):
             pairs += _dense(layout.pair_classifier, pair_head.classifier)
         return pairs
     if isinstance(model, SequenceClassifier):
-        return _dense("classifier", model.classification_head.classifier)
+        return _dense(layout.sequence_classifier, model.classification_head.classifier)
     if isinstance(model, SpanQuestionAnswerer):
         return _dense("qa_outputs", model.span_head.span_logits)
     return []
@@ -415,14 +398,14 @@ def _checkpoint_prefix(model):
 
 def _tensor_map(model, prefix):
     """`(name, variable, transpose)` of every tensor `model` has in a checkpoint."""
-    layout = _LAYOUTS[_family_of(model)]
+    layout = _layout(_family_of(model))
     return _backbone_map(prefix, _backbone_of(model), layout) + _head_map(model, layout)
 
 
 def _assign(model, hf_config, tensors, directory):
     """Copies `tensors` into `model`, checking that every shape matches."""
     family = _family_of(model)
-    layout = _LAYOUTS[family]
+    layout = _layout(family)
     if f"{family}.embeddings.word_embeddings.weight" in tensors:
         prefix = f"{family}."
     elif "embeddings.word_embeddings.weight" in tensors:
@@ -502,7 +485,7 @@ def _assign(model, hf_config, tensors, directory):
 
 def _architecture(model):
     """transformers' class name of `model`'s checkpoint, e.g. `RobertaForMaskedLM`."""
-    layout = _LAYOUTS[_family_of(model)]
+    layout = _layout(_family_of(model))
     if isinstance(model, EncoderBackbone):
         return f"{layout.classes}Model"
     if isinstance(model, SequenceClassifier):
@@ -521,7 +504,7 @@ def hf_config_from_encoder(model):
     or RoBERTa's classification head.
     """
     family = _family_of(model)
-    layout = _LAYOUTS[family]
+    layout = _layout(family)
     config = _backbone_of(model).config
     if config.norm_first:
         raise ValueError(
@@ -558,11 +541,11 @@ def hf_config_from_encoder(model):
                 f"Received: {key}={hf_config[key]!r} (activation={config.activation!r})"
             )
     if isinstance(model, SequenceClassifier):
-        if family == "roberta":
+        if layout.sequence_classifier is None:
             raise ValueError(
-                "RobertaForSequenceClassification's head has its own layout, which tfgpt "
-                "does not write; save the backbone alone. Received: a SequenceClassifier "
-                "on a RobertaBackbone"
+                f"{layout.classes}ForSequenceClassification's head has its own layout, which "
+                "tfgpt does not write; save the backbone alone. Received: a SequenceClassifier "
+                f"on a {type(model.backbone).__name__}"
             )
         hf_config["id2label"] = {str(i): f"LABEL_{i}" for i in range(model.num_classes)}
         hf_config["label2id"] = {f"LABEL_{i}": i for i in range(model.num_classes)}

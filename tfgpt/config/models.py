@@ -1,7 +1,8 @@
 """Model configurations, named presets and the family registry.
 
-The decoders' presets come from their families' folders
-(`tfgpt.models.decoder_families`); the encoders' are here.
+The presets come from the families' folders (`tfgpt/models/<family>/`,
+listed in `tfgpt.models.decoder_families` and
+`tfgpt.models.encoder_families`), the dataclasses are here.
 
 One dataclass per model family is the single source of truth: its field names
 are the model's constructor arguments, the keys of `get_config()` and the
@@ -24,6 +25,7 @@ from tfgpt.config.checks import (
     require_positive_number,
 )
 from tfgpt.models.decoder_families import DECODER_FAMILIES
+from tfgpt.models.encoder_families import ENCODER_FAMILIES as _ENCODER_FAMILIES
 
 # Activation names of the feed-forward layers and the masked-LM transform,
 # for the whole code base (`tfgpt.layers.activated_dense` computes them).
@@ -370,18 +372,6 @@ validate_albert_config = _validator(AlbertConfig)
 validate_roberta_config = _validator(RobertaConfig)
 
 
-def _sized(config_class, num_layers, hidden_dim, num_heads, **fields):
-    """Every field of `config_class`: its defaults, a size, intermediate = 4H."""
-    config = config_class(
-        num_layers=num_layers,
-        num_heads=num_heads,
-        hidden_dim=hidden_dim,
-        intermediate_dim=4 * hidden_dim,
-        **fields,
-    )
-    return dataclasses.asdict(config)
-
-
 def _completed(config_class, presets):
     """`presets` with every field of `config_class`: the fields each sets, the defaults."""
     return {name: dataclasses.asdict(config_class(**fields)) for name, fields in presets.items()}
@@ -394,48 +384,6 @@ GPT_PRESETS: dict[str, dict[str, typing.Any]] = _completed(
 DECODER_PRESETS: dict[str, dict[str, typing.Any]] = {
     name: fields for family in DECODER_FAMILIES.values()
     for name, fields in _completed(GPTConfig, family.presets).items()}
-
-# Parameter counts of the backbones (embeddings, blocks, pooler; no
-# pretraining heads), asserted as exact integers in tests/test_bert.py and
-# tests/test_albert.py and equal to transformers' BertModel/AlbertModel of the
-# same shape: bert-base 109,482,240 ("110M"), bert-large 335,141,888 ("340M").
-BERT_PRESETS: dict[str, dict[str, typing.Any]] = {
-    # Sized for a 2-core CPU, like gpt-demo.
-    "bert-demo": _sized(
-        BertConfig, 4, 192, 4, vocabulary_size=2000, max_sequence_length=128, dropout=0.0
-    ),
-    "bert-base": _sized(BertConfig, 12, 768, 12),
-    "bert-large": _sized(BertConfig, 24, 1024, 16),
-}
-
-# albert-base 11,683,584 ("12M"), albert-large 17,683,968 ("18M"),
-# albert-xlarge 58,724,864 ("60M"), albert-xxlarge 222,595,584 (the paper's
-# Table 1 says 235M; the released architecture it describes counts 222.6M).
-# Lan et al. 2020, Table 1, as released (v2): E = 128, all layers share one
-# block.
-ALBERT_PRESETS: dict[str, dict[str, typing.Any]] = {
-    "albert-demo": _sized(
-        AlbertConfig, 4, 192, 4, vocabulary_size=2000, max_sequence_length=128, embedding_dim=64
-    ),
-    "albert-base": _sized(AlbertConfig, 12, 768, 12),
-    "albert-large": _sized(AlbertConfig, 24, 1024, 16),
-    # The released xlarge uses 16 heads of width 128, not the paper's H/64.
-    "albert-xlarge": _sized(AlbertConfig, 24, 2048, 16),
-    "albert-xxlarge": _sized(AlbertConfig, 12, 4096, 64),
-}
-
-# roberta-base 124,645,632 and roberta-large 355,359,744 (backbones with a
-# pooler, as transformers' RobertaModel); the masked-LM model adds its head
-# and keeps the pooler, which transformers' RobertaForMaskedLM leaves out.
-# Liu et al. 2019, as released: BERT's shapes, 512 tokens (514 position rows).
-ROBERTA_PRESETS: dict[str, dict[str, typing.Any]] = {
-    # Sized for a 2-core CPU, like bert-demo.
-    "roberta-demo": _sized(
-        RobertaConfig, 4, 192, 4, vocabulary_size=2000, max_sequence_length=128, dropout=0.0
-    ),
-    "roberta-base": _sized(RobertaConfig, 12, 768, 12),
-    "roberta-large": _sized(RobertaConfig, 24, 1024, 16),
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -495,24 +443,28 @@ def _import_class(path):
     return getattr(importlib.import_module(module), name)
 
 
+# The encoder families' config dataclasses, by the names their folders declare.
+_ENCODER_CONFIGS = {cls.__name__: cls for cls in (BertConfig, AlbertConfig, RobertaConfig)}
+
 FAMILIES = {
     family.name: family
     for family in (
         Family("gpt", GPTConfig, DECODER_PRESETS, ("clm", "sft"),
                "tfgpt.models.gpt:GPT", "tfgpt.models.gpt:GPT"),
-        Family("bert", BertConfig, BERT_PRESETS, ("mlm+nsp", "mlm"),
-               "tfgpt.models.bert:BertBackbone", "tfgpt.models.bert:Bert"),
-        Family("albert", AlbertConfig, ALBERT_PRESETS, ("mlm+sop", "mlm"),
-               "tfgpt.models.albert:AlbertBackbone", "tfgpt.models.albert:Albert"),
-        Family("roberta", RobertaConfig, ROBERTA_PRESETS, ("mlm",),
-               "tfgpt.models.roberta:RobertaBackbone", "tfgpt.models.roberta:Roberta"),
+        *(Family(encoder.name, _ENCODER_CONFIGS[encoder.config_class],
+                 _completed(_ENCODER_CONFIGS[encoder.config_class], encoder.presets),
+                 encoder.tasks, encoder.backbone, encoder.pretraining_model)
+          for encoder in _ENCODER_FAMILIES.values()),
     )
 }
-ENCODER_FAMILIES = ("bert", "albert", "roberta")
-# The encoders the fine-tuning front ends take. Not RoBERTa yet: its byte-level
-# BPE tokenizer has no offsets for SQuAD, and a question-context pair has one
-# segment.
-FINETUNING_FAMILIES = ("bert", "albert")
+ENCODER_FAMILIES = tuple(_ENCODER_FAMILIES)
+# The encoders the fine-tuning front ends take (`EncoderFamily.finetuning`).
+FINETUNING_FAMILIES = tuple(name for name, family in _ENCODER_FAMILIES.items()
+                            if family.finetuning)
+# Each encoder family's presets, every field (from their folders' presets.py).
+BERT_PRESETS: dict[str, dict[str, typing.Any]] = FAMILIES["bert"].presets
+ALBERT_PRESETS: dict[str, dict[str, typing.Any]] = FAMILIES["albert"].presets
+ROBERTA_PRESETS: dict[str, dict[str, typing.Any]] = FAMILIES["roberta"].presets
 
 
 def family_of_preset(preset):

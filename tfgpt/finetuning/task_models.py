@@ -23,6 +23,7 @@ import tensorflow as tf
 from tfgpt.checkpoint import latest, load_weights
 from tfgpt.config.models import FAMILIES, FINETUNING_FAMILIES, family_of_preset
 from tfgpt.convert_encoders import hf_encoder_config, load_hf_weights
+from tfgpt.models.encoder_families import ENCODER_FAMILIES
 from tfgpt.models.sequence_classifier import SequenceClassifier
 from tfgpt.models.span_question_answerer import SpanQuestionAnswerer
 from tfgpt.training.train_step import cross_entropy
@@ -82,9 +83,11 @@ def describe_init(init):
             "Hugging Face config (\"model_type\")"
         )
     if family not in FINETUNING_FAMILIES:
+        titles = " or ".join(ENCODER_FAMILIES[name].title for name in FINETUNING_FAMILIES)
+        names = " or ".join(repr(name) for name in FINETUNING_FAMILIES)
         raise ValueError(
-            f"--init {init} holds a {family!r} model; fine-tuning needs a BERT or ALBERT "
-            "encoder (family 'bert' or 'albert')"
+            f"--init {init} holds a {family!r} model; fine-tuning needs a {titles} "
+            f"encoder (family {names})"
         )
     return kind, family, saved
 

@@ -1,4 +1,4 @@
-"""tfgpt models: backbones with their heads, and the decoder families' folders.
+"""tfgpt models: backbones with their heads, and the families' folders.
 
 The model classes load on first use (`tfgpt.lazy`): the families' folders
 (`tfgpt.models.llama`, ...) hold presets that `tfgpt.config` reads without
@@ -8,8 +8,8 @@ importing TensorFlow.
 from tfgpt.lazy import lazy_exports
 
 _MODULES = {
-    "tfgpt.models.albert": ("Albert", "AlbertBackbone"),
-    "tfgpt.models.bert": ("Bert", "BertBackbone"),
+    "tfgpt.models.albert.models": ("Albert", "AlbertBackbone"),
+    "tfgpt.models.bert.models": ("Bert", "BertBackbone"),
     "tfgpt.models.gpt": ("GPT",),
     "tfgpt.models.sequence_classifier": ("SequenceClassifier",),
     "tfgpt.models.span_question_answerer": ("SpanQuestionAnswerer",),
