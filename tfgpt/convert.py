@@ -1,15 +1,8 @@
 """Convert between Hugging Face GPT-2 checkpoints and tfgpt's GPT.
 
-A GPT-2 checkpoint directory holds `config.json`, the weights
-(`model.safetensors`, its sharded form with `model.safetensors.index.json`,
-or `pytorch_model.bin`) and the byte-level BPE files `vocab.json` and
-`merges.txt`. The two networks are the same: GPT-2's `Conv1D` weights are
-(in, out) like Keras `Dense` kernels, and `c_attn` packs queries, keys and
-values with the heads contiguous, which is tfgpt's `query_key_value` layout,
-so every tensor copies over unchanged except the untied output projection
-(PyTorch stores `lm_head.weight` as (out, in)). The conversion is GPT-2's
-family's (`tfgpt.models.gpt2.hf_conversion`); its functions are importable
-from here.
+What a GPT-2 checkpoint directory holds and how its tensors map onto
+tfgpt's are GPT-2's family's to say (`tfgpt.models.gpt2.hf_conversion`);
+its functions are importable from here.
 
 Usage:
     python -m tfgpt.convert to-tfgpt GPT2_DIR OUTPUT_DIR
