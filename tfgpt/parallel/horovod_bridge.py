@@ -246,7 +246,10 @@ class HorovodDistribution(LocalDistribution):
         differently. A data-parallel step may differ in towers (its
         collectives come after them, named alike); a ZeRO-3 or
         tensor-parallel step runs collectives inside each tower's forward
-        pass, so ranks with 2 and 1 towers wait for each other forever.
+        pass, so ranks with 2 and 1 towers wait for each other forever, and
+        ZeRO's gradient reduce-scatters take the names of the gradients,
+        which the towers change (Horovod 0.28.1's `grouped_reducescatter`
+        takes no name of its own).
         """
         if self.num_workers == 1:
             return

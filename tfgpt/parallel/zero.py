@@ -358,11 +358,11 @@ class ZeroSharding:
             return list(gradients)
         shards = [None] * len(gradients)
         for bucket in gradient_buckets(gradients, self.bucket_bytes):
-            # Named by the bucket's place: the gradients' own names differ
-            # between ranks of different towers (horovod_bridge's buckets).
+            # (Horovod 0.28.1's grouped_reducescatter takes no name: the
+            # ranks of a ZeRO run run the same towers, so their gradients'
+            # names agree; HorovodDistribution.agree_on_towers.)
             reduced = self._hvd.grouped_reducescatter(
-                [gradients[index] for index in bucket], op=self._hvd.Average,
-                name=f"zero_gradients_{bucket[-1]}_to_{bucket[0]}", **self._where
+                [gradients[index] for index in bucket], op=self._hvd.Average, **self._where
             )
             for index, shard in zip(bucket, reduced):
                 shards[index] = shard
