@@ -113,8 +113,6 @@ REFUSALS = [
      T + " does not combine with --xla yet"),
     (lambda r: r.tensor > 1 and _config(r, lambda c: c.optimizer == "lamb"),  # per-variable norms
      T + " does not combine with --optimizer lamb yet"),
-    (lambda r: r.tensor > 1 and _precision(r, "float16"),
-     T + " does not combine with --mixed-precision float16 yet"),
     # A pipeline cuts a GPT into stages that exchange activations between passes.
     (lambda r: r.pipeline > 1 and _family(r, lambda f: f != "gpt"),
      P + " cuts a GPT into stages; --preset {r.config.preset} is a {r.family} model"),
