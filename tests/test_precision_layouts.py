@@ -10,10 +10,9 @@ process, the oracle, and on 2 ranks in each layout, all of them in one
 
     ZeRO-3 (4 sequences per rank), bfloat16 and float16 (its dynamic loss scaling)
     TP2 (the tensor group reads the whole batch), bfloat16 and float16
-    PP2, 1F1B over 2 micro-batches (one block per stage), bfloat16
+    PP2, 1F1B over 2 micro-batches (one block per stage), bfloat16 and float16
 
-(`--pipeline-parallel` refuses float16: `tfgpt.parallel.refusals`.) The
-families: GPT-2, Llama (grouped-query attention: 4 query heads share 2
+The families: GPT-2, Llama (grouped-query attention: 4 query heads share 2
 key-value heads; Mistral and Qwen2 are its switches), GPT-J (interleaved
 rotary positions on half of each head, a parallel residual, a head bias),
 GPT-Neo (local attention of 4 tokens, shorter than the 16-token records, in
@@ -79,8 +78,8 @@ LAYOUTS = {
     "one": (("bfloat16", "float16"), ["--batch-size", "8"]),
     "zero3": (("bfloat16", "float16"), ["--batch-size", "4", "--zero-stage", "3"]),
     "tp2": (("bfloat16", "float16"), ["--batch-size", "8", "--tensor-parallel", "2"]),
-    "pp2": (("bfloat16",), ["--batch-size", "8", "--pipeline-parallel", "2",
-                            "--microbatches", "2"]),
+    "pp2": (("bfloat16", "float16"), ["--batch-size", "8", "--pipeline-parallel", "2",
+                                      "--microbatches", "2"]),
 }
 # |layout's weights - oracle's| / |oracle's weights - initial weights|, over the whole model.
 WEIGHT_TOLERANCE = 0.08

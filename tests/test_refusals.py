@@ -57,8 +57,6 @@ CASES = [
      "accumulates over --microbatches"),
     (Run(pipeline=2, config=_config(xla=True)), "--pipeline-parallel 2 cannot be combined with "
                                                 "--xla: the pipeline's steps"),
-    (Run(pipeline=2, config=_config(mixed_precision="float16")),
-     "--pipeline-parallel 2 cannot be combined with --mixed-precision float16"),
     (Run(pipeline=3, config=_config(towers=2)),
      "--pipeline-parallel 3 cannot be combined with --towers 2: a pipeline stage runs one tower"),
 ]
@@ -83,7 +81,7 @@ def test_every_row_of_the_table_is_reached_by_a_case_and_what_fits_passes():
     assert doctest.testmod(refusals).failed == 0
     # What the layouts do combine with.
     for run in (Run(), Run(tensor=2, pipeline=2, zero_stage=1, family="gpt", config=_config()),
-                Run(tensor=2, family="gpt", config=_config(mixed_precision="float16")),
+                Run(tensor=2, pipeline=2, family="gpt", config=_config(mixed_precision="float16")),
                 Run(zero_stage=2, config=_config(optimizer="lamb", xla=True)),
                 Run(elastic=True), Run(command="finetuning", zero_stage=3)):
         check(run)
