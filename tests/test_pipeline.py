@@ -153,17 +153,20 @@ UNTIED = ["--untied", "--layers", "3", "--partition", "balanced"]
 # M = 1 (fewer micro-batches than stages) and M = 3 (not divisible by P = 2).
 COUNTS = [("gpipe", "1"), ("1f1b", "1"), ("gpipe", "3"), ("1f1b", "3")]
 DROPOUT = ["--schedule", "1f1b", "--dropout", "0.2"]
+FLOAT16 = ["--precision", "float16", "--overflow-step", "2", *CLIP]
 # The equivalence runs, one launch per rank count (each launch pays the
 # processes' start-up once): tag -> flags.
 RUNS = {
     0: {"global": CLIP, "global-bf16": ["--precision", "bfloat16"], "global-untied": UNTIED,
-        "global-gptj": ["--gptj", *CLIP]},
+        "global-gptj": ["--gptj", *CLIP], "global-f16": FLOAT16},
     2: {
         **{name: ["--schedule", name, "--microbatches", "4", *extra, *CLIP]
            for name, extra in SCHEDULES},
         # Horovod's alltoall has no bfloat16: the activations and their
         # gradients travel as their uint16 bits, so nothing is rounded twice.
         "bf16": ["--precision", "bfloat16", "--schedule", "1f1b"],
+        # float16 loss scaling, the first stage's gradients alone overflowing at step 3.
+        "f16": [*FLOAT16, "--schedule", "1f1b"],
         **{f"{name}-{count}": ["--schedule", name, "--microbatches", count, *UNTIED]
            for name, count in COUNTS},
         "dropout-first": DROPOUT,
@@ -204,6 +207,29 @@ def test_each_schedule_two_pipelines_recompute_bfloat16_and_gptj_match_one_proce
     _assert_same_training(runs["pp2-dp2"], oracle, "2 pipelines of 2 stages")
     _assert_same_training(runs["recompute"], oracle, "1F1B with --recompute")
     _assert_same_training(runs["gptj"], runs["global-gptj"][0], "GPT-J-shaped, 1F1B")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_float16_overflow_on_the_first_stage_is_skipped_by_every_stage(pipeline_runs):
+    oracle, results = pipeline_runs["global-f16"][0], pipeline_runs["f16"]
+    # 6 steps, the third skipped: by one process, and by both stages though
+    # only the first stage's gradients overflowed.
+    assert int(oracle["iterations"]) == 5
+    finite = np.isfinite(oracle["norms"])
+    assert finite.sum() == 5
+    for rank, result in enumerate(results):
+        assert int(result["iterations"]) == 5, rank
+        np.testing.assert_array_equal(np.isfinite(result["norms"]), finite)
+        # Micro-batches change where float16 rounds: its unit roundoff, 2^-11.
+        np.testing.assert_allclose(result["losses"], oracle["losses"], rtol=2.0 ** -11)
+        np.testing.assert_allclose(result["norms"][finite], oracle["norms"][finite],
+                                   rtol=4 * 2.0 ** -11)
+        # An AdamW step moves a weight by about the learning rate (0.01)
+        # whatever its gradient's size: one near 0 may go either way.
+        for index, weight in held_weights(result).items():
+            np.testing.assert_allclose(weight, saved_weights(oracle)[index], rtol=0, atol=5e-3,
+                                       err_msg=f"rank {rank}, weight {index}")
 
 
 @pytest.mark.distributed

@@ -51,8 +51,6 @@ CASES = [
     (Run(zero_stage=3, config=_config(xla=True)), "--xla cannot compile a --zero-stage 3 step"),
     (Run(tensor=2, config=_config(optimizer="lamb")),
      "--tensor-parallel 2 does not combine with --optimizer lamb yet"),
-    (Run(tensor=2, config=_config(mixed_precision="float16")),
-     "--tensor-parallel 2 does not combine with --mixed-precision float16 yet"),
     (Run(pipeline=2, family="bert", config=_config(preset="bert-demo")),
      "--pipeline-parallel 2 cuts a GPT into stages; --preset bert-demo is a bert model"),
     (Run(pipeline=2, config=_config(accumulation_steps=2)),
@@ -60,8 +58,6 @@ CASES = [
      "accumulates over --microbatches"),
     (Run(pipeline=2, config=_config(xla=True)), "--pipeline-parallel 2 cannot be combined with "
                                                 "--xla: the pipeline's steps"),
-    (Run(pipeline=2, config=_config(mixed_precision="float16")),
-     "--pipeline-parallel 2 cannot be combined with --mixed-precision float16"),
     (Run(pipeline=3, config=_config(towers=2)),
      "--pipeline-parallel 3 cannot be combined with --towers 2: a pipeline stage runs one tower"),
 ]
@@ -86,6 +82,7 @@ def test_every_row_of_the_table_is_reached_by_a_case_and_what_fits_passes():
     assert doctest.testmod(refusals).failed == 0
     # What the layouts do combine with.
     for run in (Run(), Run(tensor=2, pipeline=2, zero_stage=1, family="gpt", config=_config()),
+                Run(tensor=2, pipeline=2, family="gpt", config=_config(mixed_precision="float16")),
                 Run(zero_stage=2, config=_config(optimizer="lamb", xla=True)),
                 Run(elastic=True), Run(command="finetuning", zero_stage=3),
                 Run(tensor=2, zero_stage=1, config=_config(lora_rank=4))):

@@ -19,13 +19,16 @@ moments).
 With `--tensor T` the stages' blocks are split over
 T ranks each as well (`HorovodDistribution`'s layout, data x pipeline x
 tensor): the weights are this rank's slices, with their split rules
-(`rule_I`, absent for a replicated variable).
+(`rule_I`, absent for a replicated variable). With `--precision float16`
+(loss scaling) and `--overflow-step K`, at step K (from 0) the first
+stage's gradients alone are made infinite (one process: all of them), and
+the file also holds `iterations`, the updates the optimizer applied.
 
 Usage: pipeline_check.py OUT TAG [--global] [--schedule gpipe|1f1b|interleaved]
 [--microbatches M] [--stages P] [--virtual-stages V] [--partition uniform|balanced]
 [--clip C] [--dropout R] [--untied] [--layers L] [--die-at-step K]
-[--precision off|bfloat16] [--zero-stage S] [--rows R] [--tensor T] [--vocabulary V]
-[--recompute]
+[--precision off|bfloat16|float16] [--overflow-step K] [--zero-stage S] [--rows R]
+[--tensor T] [--vocabulary V] [--recompute]
 """
 
 import argparse
@@ -34,6 +37,7 @@ import os
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 from tfgpt import GPT
 from tfgpt.config.training import TrainConfig
@@ -75,6 +79,7 @@ def main(argv=None):
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--die-at-step", type=int, default=0)
     parser.add_argument("--precision", default="off")
+    parser.add_argument("--overflow-step", type=int, default=-1)
     parser.add_argument("--recompute", action="store_true")
     parser.add_argument("--zero-stage", type=int, default=0)
     parser.add_argument("--rows", type=int, default=ROWS)
@@ -96,6 +101,7 @@ def main(argv=None):
     config = TrainConfig(
         data=args.out, steps=STEPS, learning_rate=0.01, warmup_steps=2, weight_decay=0.1,
         gradient_clip_norm=args.clip, scale_learning_rate=False,
+        mixed_precision=args.precision,
     )
     keras.utils.set_random_seed(7)
     keras.config.set_dtype_policy(POLICIES[args.precision])
@@ -148,10 +154,34 @@ def main(argv=None):
         rows = slice(state.data_index * args.rows // state.data,
                      (state.data_index + 1) * args.rows // state.data)
         data = [(inputs[rows], targets[rows]) for inputs, targets in data]
+    overflow = tf.Variable(False)
+
+    def blown_up(gradients):
+        factor = tf.where(overflow, np.float32(np.inf), np.float32(1.0))
+        return [g * factor for g in gradients]
+
+    if args.overflow_step >= 0:
+        # A forced float16 overflow in the first stage's gradients alone: every stage must skip.
+        if args.global_batch:
+            apply = step.sharding.apply
+
+            def overflowing(gradients, *args, **kwargs):
+                return apply(blown_up(gradients), *args, **kwargs)
+
+            step.sharding.apply = overflowing
+        else:
+            sum_tied_table = step._sum_tied_table
+
+            def overflowing(gradients):
+                gradients = sum_tied_table(gradients)
+                return blown_up(gradients) if stage.rank == 0 else gradients
+
+            step._sum_tied_table = overflowing
     losses, norms = [], []
     for index, batch in enumerate(data):
         if args.die_at_step and index + 1 == args.die_at_step and rank == 1:
             os._exit(3)  # a peer that dies mid-run
+        overflow.assign(index == args.overflow_step)
         metrics = step(batch)
         loss = metrics["loss"]
         if not args.global_batch:  # each pipeline's loss is that of its rows
@@ -165,6 +195,7 @@ def main(argv=None):
         f"{args.out}/{args.tag}-rank-{rank}.npz", losses=np.array(losses), norms=np.array(norms),
         shapes=np.array([list(v.shape) + [-1] * (3 - len(v.shape)) for v in trained]),
         slot_elements=sum(int(np.prod(v.shape)) for kind in slots.values() for v in kind),
+        iterations=int(getattr(optimizer, "inner_optimizer", optimizer).iterations.numpy()),
         **{f"weight_{i}": v.numpy() for i, v in enumerate(variables) if allocated(v)},
         **{f"rule_{i}": np.array(rules[id(v)]) for i, v in enumerate(variables)
            if id(v) in rules},

@@ -17,16 +17,22 @@ elements of both optimizer moments). With `--lora R` the model is frozen
 and low-rank adapters of rank R on every projection train alone (their B
 set to the same random whole values in both, so that the adapters act
 from the first step); `--llama` gives it grouped-query attention and a
-gated MLP.
+gated MLP. With `--overflow-step K` the run is in float16 with loss
+scaling, and at step K (from 0) the first rank's slice of the first
+feed-forward kernel gets an infinite gradient (one process: the whole
+kernel); the file then also holds `iterations`, the updates the optimizer
+applied.
 
 Usage: tensor_parallel_train.py OUT TAG [--tensor T] [--global] [--clip C]
 [--dropout P] [--untied] [--steps K] [--zero-stage S] [--lora R] [--llama]
+[--overflow-step K]
 """
 
 import argparse
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 from tfgpt import GPT
 from tfgpt.config.training import TrainConfig
@@ -35,7 +41,7 @@ from tfgpt.models.adapters import TARGETS, adapted_layers, add_adapters
 from tfgpt.optim.optimizers import make_optimizer
 from tfgpt.parallel.tensor_parallel import split_rule, split_rules, take_slice
 from tfgpt.parallel.zero import slot_variables
-from tfgpt.training.train_step import TrainStep
+from tfgpt.training.train_step import TrainStep, causal_lm_loss
 
 VOCABULARY = 38
 GLOBAL_ROWS = 4
@@ -65,6 +71,7 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--zero-stage", type=int, default=0)
     parser.add_argument("--recompute", action="store_true")
+    parser.add_argument("--overflow-step", type=int, default=-1)
     parser.add_argument("--gptj", action="store_true",
                         help="GPT-J's switches: parallel residual, interleaved partial rotary "
                              "positions, no attention biases, an untied head with a bias")
@@ -86,8 +93,10 @@ def main(argv=None):
     config = TrainConfig(
         data=args.out, steps=args.steps, learning_rate=0.01, warmup_steps=2,
         weight_decay=0.1, gradient_clip_norm=args.clip, scale_learning_rate=False,
+        mixed_precision="float16" if args.overflow_step >= 0 else "off",
     )
     keras.utils.set_random_seed(7)
+    keras.config.set_dtype_policy("mixed_float16" if args.overflow_step >= 0 else "float32")
     with distribution.scope():
         gptj = dict(positions="rotary", rotary_fraction=0.5, rotary_interleaved=True,
                     attention_bias=False, output_bias=False, residual="parallel",
@@ -119,10 +128,22 @@ def main(argv=None):
     else:
         optimizer.build(model.trainable_variables)
         distribution.broadcast_variables(model.variables + optimizer.variables)
-    step = TrainStep(model, optimizer, distribution, zero=zero)
+    overflow = tf.Variable(False)
+    [kernel] = [v for v in model.trainable_variables
+                if v.path.endswith("block_0/feedforward_intermediate/kernel")]
+
+    def loss_fn(model, batch, training):
+        loss, metrics = causal_lm_loss(model, batch, training)
+        # A forced float16 overflow in the first rank's slice alone: every rank must skip.
+        blow_up = tf.logical_and(overflow, distribution.rank == 0)
+        return loss + tf.where(blow_up, np.inf, 0.0) * tf.reduce_sum(tf.square(kernel)), metrics
+
+    step = TrainStep(model, optimizer, distribution, zero=zero,
+                     loss_fn=loss_fn if args.overflow_step >= 0 else causal_lm_loss)
     index, count = distribution.data_shard()
     losses, norms = [], []
-    for batch in batches_of(index, count, args.steps):
+    for number, batch in enumerate(batches_of(index, count, args.steps)):
+        overflow.assign(number == args.overflow_step)
         metrics = step(batch)
         losses.append(float(distribution.allreduce_mean(metrics["loss"])))
         norms.append(float(metrics["gradient_norm"]))
@@ -141,6 +162,7 @@ def main(argv=None):
         shapes=np.array([list(v.shape) + [-1] * (3 - len(v.shape)) for v in variables]),
         slot_elements=sum(int(np.prod(v.shape)) for kind in slots.values() for v in kind),
         losses=np.array(losses), norms=np.array(norms),
+        iterations=int(getattr(optimizer, "inner_optimizer", optimizer).iterations.numpy()),
         seeds=np.array([v.numpy() for v in states]),
         split_seeds=np.array([id(v) in split_states for v in states], bool),
         **{f"weight_{i}": value for i, value in enumerate(values)},

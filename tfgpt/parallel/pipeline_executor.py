@@ -36,7 +36,7 @@ from tfgpt.graph_function import graph_function
 from tfgpt.parallel.pipeline_schedule import BACKWARD, FORWARD
 from tfgpt.parallel.tensor_parallel import split_rules
 from tfgpt.parallel.zero import Unsharded
-from tfgpt.training.train_step import STEP_TIMES, _dense
+from tfgpt.training.train_step import STEP_TIMES, _dense, _loss_scale
 
 
 class PipelineTrainStep:
@@ -53,6 +53,13 @@ class PipelineTrainStep:
     model built in tensor slices, all slices, which clips every stage
     alike. (Under tensor parallelism a pipeline is the stages' ranks of
     one slice: the hidden states they exchange are whole.)
+
+    Under float16 loss scaling (`optimizer` a `LossScaleOptimizer`) the
+    last stage scales each micro-batch's loss by its optimizer's scale, so
+    every stage's gradients (and the activation gradients sent back) are
+    scaled by it; every stage's optimizer has the same scale, since an
+    overflow on any stage makes the global norm non-finite and every stage
+    skips the step (`Unsharded.apply`, `ZeroSharding.apply`).
 
     Args:
         stage: `tfgpt.parallel.pipeline_stage.PipelineStage` of this rank.
@@ -125,6 +132,8 @@ class PipelineTrainStep:
             if last:
                 loss = y
                 y = y / self.schedule.microbatches  # the batch's loss is the mean
+                if _loss_scale(self.optimizer) is not None:
+                    y = self.optimizer.scale_loss(y)
         saved[(index, virtual_stage)] = (tape, x, y)
         return (loss, None) if last else (None, y)
 
@@ -218,7 +227,8 @@ class PipelineTrainStep:
         loss, gradient_norm = self._loss_and_norm(losses, gradients)
         busy = sum(end - begin for begin, end in times)
         waited = time.perf_counter() - loop_begin - busy
-        self._update(gradients, gradient_norm)
+        # The norm of the unscaled gradients (under loss scaling, `gradient_norm` is not).
+        gradient_norm = self._update(gradients, gradient_norm)
         # The loop's time split: the ticks' computation, and the waits for
         # transfers, for the other stages (the bubble) and for the sums.
         result = {"loss": loss, "gradient_norm": gradient_norm,
@@ -257,7 +267,7 @@ class PipelineTrainStep:
         return loss, {}
 
     def _update_fn(self, gradients, gradient_norm):
-        return self._sharding.apply(gradients, norm=gradient_norm)
+        return self._sharding.apply(gradients, _loss_scale(self.optimizer), norm=gradient_norm)
 
     def _sum_tied_table(self, gradients):
         """First and last stage add each other's token-table gradient (one alltoall)."""

@@ -57,10 +57,6 @@ def _family(run, test):
     return run.family is not None and test(run.family)
 
 
-def _precision(run, value):
-    return _config(run, lambda c: c.mixed_precision == value)
-
-
 T, P = "--tensor-parallel {r.tensor}", "--pipeline-parallel {r.pipeline}"
 # (when it is refused, what the one line says), checked in this order.
 REFUSALS = [
@@ -113,8 +109,6 @@ REFUSALS = [
      T + " does not combine with --xla yet"),
     (lambda r: r.tensor > 1 and _config(r, lambda c: c.optimizer == "lamb"),  # per-variable norms
      T + " does not combine with --optimizer lamb yet"),
-    (lambda r: r.tensor > 1 and _precision(r, "float16"),
-     T + " does not combine with --mixed-precision float16 yet"),
     # A pipeline cuts a GPT into stages that exchange activations between passes.
     (lambda r: r.pipeline > 1 and _family(r, lambda f: f != "gpt"),
      P + " cuts a GPT into stages; --preset {r.config.preset} is a {r.family} model"),
@@ -124,9 +118,6 @@ REFUSALS = [
     (lambda r: r.pipeline > 1 and _config(r, lambda c: c.xla),
      P + " cannot be combined with --xla: the pipeline's steps run Horovod transfers between "
      "the stages' passes, which XLA cannot compile"),
-    (lambda r: r.pipeline > 1 and _precision(r, "float16"),
-     P + " cannot be combined with --mixed-precision float16: loss scaling across stages is "
-     "not supported; use bfloat16"),
     (lambda r: r.pipeline > 1 and _config(r, lambda c: c.towers > 1),
      P + " cannot be combined with --towers {r.config.towers}: a pipeline stage runs one tower"),
 ]

@@ -147,11 +147,16 @@ class Unsharded:
         if norm is None:
             norm = self.tensor_slice.global_norm(gradients, self._split)
         if loss_scale is not None:
-            self.optimizer.apply(gradients, self.variables)
-            return norm / tf.cast(loss_scale, norm.dtype)
+            # A tensor slice's gradients are its own: NaN on every rank of the group
+            # when any slice overflowed, so every `LossScaleOptimizer` skips the step.
+            poison = norm - norm
+            gradients = [g + tf.cast(poison, g.dtype) for g in gradients]
+            norm = norm / tf.cast(loss_scale, norm.dtype)
         # An optimizer that clips by the global norm (FusedAdamW) takes this
         # one instead of computing it again: one pass over the gradients less.
-        given_norm = getattr(self.optimizer, "given_gradient_norm", None)
+        # Under tensor parallelism it must: its own would be this slice's alone.
+        inner = getattr(self.optimizer, "inner_optimizer", self.optimizer)
+        given_norm = getattr(inner, "given_gradient_norm", None)
         with given_norm(norm) if given_norm else contextlib.nullcontext():
             self.optimizer.apply(gradients, self.variables)
         return norm
