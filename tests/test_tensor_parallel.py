@@ -290,8 +290,10 @@ def test_tensor_parallel_adapters_train_as_one_process(tensor_runs):
             # The replicated matrix's gradient is a sum of the slices' partial products,
             # in another order than one process's: the first step's norm agrees to 1e-6
             # relative, and Adam's steps on the adapters' small gradients carry it to
-            # 4e-5 by the sixth (Llama's shape; the weights stay within 1e-5).
-            np.testing.assert_allclose(result["norms"], oracle["norms"], rtol=1e-4, atol=0,
+            # 4e-5 to 1.2e-4 by the sixth, as the threads order the sums (Llama's shape;
+            # the losses and weights stay within 1e-5). A gradient left unsummed over the
+            # group is off by 0.38 in the norm.
+            np.testing.assert_allclose(result["norms"], oracle["norms"], rtol=1e-3, atol=0,
                                        err_msg=tag)
             np.testing.assert_allclose(result["norms"][0], oracle["norms"][0], rtol=1e-5,
                                        err_msg=tag)

@@ -129,7 +129,7 @@ def main(argv=None):
         optimizer.build(model.trainable_variables)
         distribution.broadcast_variables(model.variables + optimizer.variables)
     overflow = tf.Variable(False)
-    [kernel] = [v for v in model.trainable_variables
+    [kernel] = [v for v in model.weights  # (frozen under --lora)
                 if v.path.endswith("block_0/feedforward_intermediate/kernel")]
 
     def loss_fn(model, batch, training):
