@@ -86,13 +86,10 @@ def test_a_stopped_peer_is_named_once_the_timeout_has_passed(tmp_path):
         while not (tmp_path / ".heartbeats" / "rank-1.json").exists():
             time.sleep(0.01)
         second._stop.set()  # rank 1 stops: no more heartbeats
-        begin = time.monotonic()
         assert first.ended.wait(5.0)
-    waited = time.monotonic() - begin
     rank, holding, stalled = first.line
     assert rank == 0 and holding.startswith("rank 1 on ") and "stopped answering" in holding
     assert holding.endswith("said it began step 1") and stalled >= 0.5
-    assert 0.6 <= waited < 3.0
 
 
 def test_a_rank_behind_the_others_is_named_by_both(tmp_path):

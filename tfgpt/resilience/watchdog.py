@@ -170,9 +170,12 @@ class Watchdog(Callback):
             if stalled >= self.timeout + self.grace:
                 self._end(rank, holder(self._seen, rank, now, self.timeout), stalled)
 
+    def _record(self):
+        return {"beat": self._beat, "progress": self._progress, "what": self._what,
+                "host": self._host, "pid": self._pid}
+
     def _write(self, rank):
-        record = {"beat": self._beat, "progress": self._progress, "what": self._what,
-                  "host": self._host, "pid": self._pid}
+        record = self._record()
         try:
             os.makedirs(self.directory, exist_ok=True)
             partial = self._path(rank) + f".{self._pid}.tmp"
@@ -187,15 +190,15 @@ class Watchdog(Callback):
         and progress last changed, by this rank's clock."""
         self._seen = {rank: beat for rank, beat in self._seen.items() if rank < size}
         for rank in range(size):
-            if rank == me:
-                record = {"beat": self._beat, "progress": self._progress, "what": self._what,
-                          "host": self._host, "pid": self._pid}
-            else:
-                try:
-                    with open(self._path(rank)) as file:
-                        record = json.load(file)
-                except (OSError, ValueError):
-                    record = None
+            if rank == me:  # its own beat is current; its own loop moved at _moved
+                self._seen[rank] = Heartbeat(rank, **self._record(), changed=now,
+                                             moved=self._moved)
+                continue
+            try:
+                with open(self._path(rank)) as file:
+                    record = json.load(file)
+            except (OSError, ValueError):
+                record = None
             last = self._seen.get(rank)
             if record is None:
                 if last is None:
@@ -204,8 +207,6 @@ class Watchdog(Callback):
             changed = now if last is None or last.beat != record["beat"] else last.changed
             moved = (now if last is None or last.progress != record["progress"]
                      else last.moved)
-            if rank == me:
-                changed, moved = now, self._moved
             self._seen[rank] = Heartbeat(rank, record["beat"], record["progress"],
                                          record["what"], record["host"], record["pid"],
                                          changed, moved)
