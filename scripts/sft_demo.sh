@@ -8,15 +8,12 @@
 # Environment overrides: SFT_STEPS (default 200), DEMO_DATA, DEMO_OUT, SFT_DATA, SFT_OUT.
 set -euo pipefail
 
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
-PYTHON=.venv/bin/python
-HOROVODRUN=.venv/bin/horovodrun
+# shellcheck source=scripts/demo_common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/demo_common.sh"
 PRETRAINED="${DEMO_OUT:-runs/demo}"
 DATA="${SFT_DATA:-data/demo-chat}"
 OUT="${SFT_OUT:-runs/demo-chat}"
 STEPS="${SFT_STEPS:-200}"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-TF_NOISE='^(WARNING: All log messages before absl::InitializeLog|[IWE]0000 .*(cudart_stub|cuda_platform|cpu_feature_guard)\.cc|To enable the following instructions)'
 
 start=$SECONDS
 if [[ ! -f "$PRETRAINED/config.json" ]]; then
@@ -28,18 +25,9 @@ rm -rf "$DATA"
 "$PYTHON" -m pipelines.prepare --format instructions --tokenizer "$PRETRAINED" \
   --output "$DATA" --seq-len 128 --too-long truncate --shard-size 4M
 
-sft() {  # OUT STEPS LEARNING_RATE: one --task sft run; prints its final validation loss
-  set +e
-  "$HOROVODRUN" -np 2 --gloo -H localhost:2 "$PYTHON" train_hvd.py --task sft \
-    --init "$PRETRAINED" --data "$DATA" --out "$1" --steps "$2" --batch-size 16 \
-    --learning-rate "$3" --warmup-steps 20 --log-every 20 --eval-batches 20 2>&1 \
-    | sed -u -E "/$TF_NOISE/d; s/^\[0\]<stdout>://"
-  local status=${PIPESTATUS[0]}
-  set -e
-  if [[ $status -ne 0 ]]; then
-    echo "== [sft] training failed (exit $status)" >&2
-    exit "$status"
-  fi
+sft() {  # OUT STEPS LEARNING_RATE: one --task sft run
+  train_np2 sft --task sft --init "$PRETRAINED" --data "$DATA" --out "$1" --steps "$2" \
+    --batch-size 16 --learning-rate "$3" --warmup-steps 20 --log-every 20 --eval-batches 20
 }
 echo "== [sft] the pretrained model's loss on the replies (one step at learning rate 1e-30)"
 rm -rf "$OUT-before"
