@@ -107,6 +107,22 @@ def test_a_rank_behind_the_others_is_named_by_both(tmp_path):
     assert second.line[1].startswith("this rank on ")
 
 
+def test_a_long_first_step_that_every_rank_is_in_is_waited_out_and_a_later_one_is_not(
+        tmp_path):
+    first, second = _pair(tmp_path, timeout=0.5)
+    with first, second:
+        for watchdog in (first, second):
+            watchdog.on_step_begin(1)  # both alive and tracing, past timeout and grace
+        assert not first.ended.wait(2.0) and not second.ended.is_set()
+        for watchdog in (first, second):
+            watchdog.on_step_end(1)
+            watchdog.on_step_begin(2)
+        assert first.ended.wait(5.0) and second.ended.wait(5.0)
+    for watchdog in (first, second):
+        assert watchdog.line[1] is None  # every rank waits in the same place
+        assert watchdog.line[2] >= 0.5 + 0.3
+
+
 def test_the_module_example_holds():
     import doctest
 

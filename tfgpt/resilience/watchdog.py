@@ -30,6 +30,9 @@ It needs `--out` on storage that every rank sees, as the checkpoints of a
 sharded layout do; a rank that cannot see the others' heartbeats still
 ends its own stalled wait, naming nobody. The watchdog watches the loop
 from the first step to the end of the run, not the start-up before it.
+The first step traces (and compiles) the step: it may outlast the timeout
+while every rank is alive and in it, so there a rank is ended only when
+another stopped answering or is behind.
 
 Example (one rank judging the heartbeats it has read):
 >>> seen = {0: Heartbeat(0, 40, 3 * 5, "began step 5", "a", 10, 30.0, 0.0),
@@ -111,6 +114,7 @@ class Watchdog(Callback):
         self.interval = interval or min(max(self.timeout / 10, 0.5), 10.0)
         self.grace = grace_seconds(self.timeout) if grace is None else float(grace)
         self._progress, self._what = None, "started"  # None: no step yet
+        self._stepped = False  # a first step has ended: it traced the step
         self._moved = time.monotonic()
         self._beat = 0
         self._seen = {}
@@ -147,6 +151,7 @@ class Watchdog(Callback):
 
     def on_step_end(self, step):
         self._passed(3 * step + 1, f"ended step {step}")
+        self._stepped = True
 
     def on_save(self, step):
         self._passed(3 * step + 2, f"saved step {step}")
@@ -168,7 +173,9 @@ class Watchdog(Callback):
             self._read(rank, size, now)
             stalled = now - self._moved
             if stalled >= self.timeout + self.grace:
-                self._end(rank, holder(self._seen, rank, now, self.timeout), stalled)
+                holding = holder(self._seen, rank, now, self.timeout)
+                if holding or self._stepped:
+                    self._end(rank, holding, stalled)
 
     def _record(self):
         return {"beat": self._beat, "progress": self._progress, "what": self._what,
