@@ -14,7 +14,11 @@ figures:
   are the same for both and shown apart. With ZeRO, full fine-tuning's
   state is cut over the data group; the adapters' is small either way;
 - peak RSS: the process's high-water mark (VmHWM), with TensorFlow;
-- tokens/s: over the timed steps, after `--warmup` untimed ones.
+- tokens/s: over the timed steps, after `--warmup` untimed ones; the
+  median of `--repeats` processes per method, run alternately (full, LoRA,
+  LoRA, full, ...) so that a change of the machine's load falls on both;
+- tokens per CPU second: the same steps over the process's CPU time (all
+  its threads), steadier than the wall's rate on a loaded machine.
 
 A configuration whose estimated peak (weights, state and the measured
 start-up) would pass `--memory-limit-gb` is computed, not run. A bench, not
@@ -26,6 +30,7 @@ a test: it prints, it asserts nothing.
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -79,16 +84,18 @@ def worker(argv):
     inputs, targets = tf.constant(tokens[:, :-1]), tf.constant(tokens[:, 1:])
     for _ in range(args.warmup):
         step(inputs, targets)
-    begin = time.perf_counter()
+    begin, begin_cpu = time.perf_counter(), time.process_time()
     for _ in range(args.steps):
         loss = float(step(inputs, targets)["loss"])
-    seconds = time.perf_counter() - begin
+    seconds, cpu_seconds = time.perf_counter() - begin, time.process_time() - begin_cpu
+    tokens = args.steps * args.batch_size * args.sequence_length
     print(json.dumps({
         "parameters": int(sum(np.prod(v.shape) for v in model.weights)),
         "trained": int(sum(np.prod(v.shape) for v in trained)),
         "start_up_kib": start_up,
         "high_water_kib": _status_kib("VmHWM"),
-        "tokens_per_second": args.steps * args.batch_size * args.sequence_length / seconds,
+        "tokens_per_second": tokens / seconds,
+        "tokens_per_cpu_second": tokens / cpu_seconds,
         "loss": loss,
     }))
 
@@ -121,6 +128,8 @@ def main(argv=None):
     parser.add_argument("--batch-size", type=int, default=1, help="sequences per step")
     parser.add_argument("--sequence-length", type=int, default=128, help="tokens per sequence")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per process")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="processes per method, run alternately; their median is shown")
     parser.add_argument("--memory-limit-gb", type=float, default=16.0,
                         help="a configuration whose estimated peak passes this is computed only")
     args = parser.parse_args(argv)
@@ -130,39 +139,50 @@ def main(argv=None):
           f"{args.sequence_length} tokens, float32, AdamW, one process", flush=True)
     for preset in args.presets:
         total, adapters = parameter_counts(preset)
-        rows = {}
+        rows, runs = {}, {method: [] for method in METHODS}
         for method in METHODS:
             trained = total if method == "full" else adapters
             state = trained * STATE_BYTES
             estimate = total * WEIGHT_BYTES + state + 2**30  # and about 1 GiB to start
-            row = {"trained": trained, "state_gb": state / 1e9,
-                   "weights_gb": total * WEIGHT_BYTES / 1e9}
+            rows[method] = {"trained": trained, "state_gb": state / 1e9,
+                            "weights_gb": total * WEIGHT_BYTES / 1e9}
             if estimate > args.memory_limit_gb * 2**30:
-                row["note"] = f"not run: about {estimate / 2**30:.0f} GiB"
-            else:
-                command = [sys.executable, "-m", "bench.lora_memory", "worker", "--preset",
-                           preset, "--method", method, "--batch-size", str(args.batch_size),
-                           "--sequence-length", str(args.sequence_length),
-                           "--steps", str(args.steps)]
-                result = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
-                                        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
-                                                 PYTHONPATH=REPO))
-                if result.returncode:
-                    raise RuntimeError(f"{preset} {method} failed:\n{result.stderr[-3000:]}")
-                figures = json.loads(result.stdout.strip().splitlines()[-1])
-                row.update(peak_gb=figures["high_water_kib"] / 2**20,
-                           tokens_per_second=figures["tokens_per_second"])
-            rows[method] = row
+                rows[method]["note"] = f"not run: about {estimate / 2**30:.0f} GiB"
+        # full, LoRA, LoRA, full, ...: a load that changes meets both methods alike
+        order = [METHODS[turn] for repeat in range(args.repeats)
+                 for turn in ((0, 1) if repeat % 2 == 0 else (1, 0))]
+        for method in order:
+            if "note" in rows[method]:
+                continue
+            command = [sys.executable, "-m", "bench.lora_memory", "worker", "--preset",
+                       preset, "--method", method, "--batch-size", str(args.batch_size),
+                       "--sequence-length", str(args.sequence_length),
+                       "--steps", str(args.steps)]
+            result = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
+                                    env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
+                                             PYTHONPATH=REPO))
+            if result.returncode:
+                raise RuntimeError(f"{preset} {method} failed:\n{result.stderr[-3000:]}")
+            runs[method].append(json.loads(result.stdout.strip().splitlines()[-1]))
+        for method, figures in runs.items():
+            if figures:
+                rows[method].update(
+                    peak_gb=max(run["high_water_kib"] for run in figures) / 2**20,
+                    **{key: statistics.median(run[key] for run in figures)
+                       for key in ("tokens_per_second", "tokens_per_cpu_second")})
         full, lora = rows["full"], rows["lora"]
         for method, row in rows.items():
-            measured = (f"peak RSS {row['peak_gb']:.2f} GiB, {row['tokens_per_second']:,.0f} "
-                        "tokens/s" if "peak_gb" in row else row["note"])
+            measured = (f"peak RSS {row['peak_gb']:.2f} GiB, {row['tokens_per_second']:,.1f} "
+                        f"tokens/s, {row['tokens_per_cpu_second']:,.1f} tokens per CPU second"
+                        if "peak_gb" in row else row["note"])
             print(f"{preset} {method}: trains {row['trained']:,} of {total:,} parameters; "
                   f"training state {row['state_gb']:.3f} GB beside {row['weights_gb']:.2f} GB "
                   f"of weights; {measured}", flush=True)
         ratio = lora["state_gb"] / full["state_gb"]
-        speed = (f"; tokens/s x{lora['tokens_per_second'] / full['tokens_per_second']:.2f}"
-                 if "tokens_per_second" in full and "tokens_per_second" in lora else "")
+        speed = (f"; tokens/s x{lora['tokens_per_second'] / full['tokens_per_second']:.2f}, "
+                 "per CPU second x"
+                 f"{lora['tokens_per_cpu_second'] / full['tokens_per_cpu_second']:.2f}"
+                 if "peak_gb" in full and "peak_gb" in lora else "")
         print(f"{preset}: LoRA's training state is {ratio:.4f} of full fine-tuning's{speed}",
               flush=True)
 
