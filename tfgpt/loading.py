@@ -27,6 +27,7 @@ from tfgpt.checkpoint import (
 )
 from tfgpt.config import GPTConfig
 from tfgpt.convert_decoders import ARCHITECTURES, converter, load_hf_decoder
+from tfgpt.hf_files import tokenizer_file
 from tfgpt.models.adapters import add_run_adapters, load_adapters, merged
 from tfgpt.models.gpt import GPT
 from tfgpt.tokenizers import check_tokenizer_matches_model
@@ -100,9 +101,10 @@ def save_model(directory, model, tokenizer=None, chat_template=None):
 
 
 def load_tokenizer(directory):
-    """Returns the tokenizer saved in a tfgpt run `directory`, or None if there is none."""
-    if os.path.exists(os.path.join(directory, TOKENIZER_FILE)):
-        return _sentencepiece(directory)
+    """Returns the tokenizer saved in a tfgpt run `directory`, or None if there is none
+    (a run trained on data prepared with a Hugging Face `tokenizer.json` holds that)."""
+    if tokenizer_file(directory) is not None:
+        return load_hf_tokenizer(directory)
     if os.path.exists(os.path.join(directory, "vocab.json")):
         return BytePairTokenizer.from_directory(directory)
     return None
@@ -125,11 +127,10 @@ def load_hf_tokenizer(directory):
     Returns:
         A `BytePairTokenizer` or a `pipelines.tokenizer.Tokenizer`.
     """
-    json_path = os.path.join(directory, TOKENIZER_JSON_FILE)
-    has_model = os.path.isfile(os.path.join(directory, TOKENIZER_FILE))
-    if os.path.isfile(json_path) and not (has_model and not _is_byte_level(json_path)):
-        return BytePairTokenizer.from_tokenizer_json(json_path)
-    if has_model:
+    path = tokenizer_file(directory)
+    if path is not None and path.endswith(TOKENIZER_JSON_FILE):
+        return BytePairTokenizer.from_tokenizer_json(path)
+    if path is not None:
         return _sentencepiece(directory)
     if all(os.path.isfile(os.path.join(directory, name)) for name in ("vocab.json", "merges.txt")):
         return BytePairTokenizer.from_directory(directory)
@@ -137,13 +138,6 @@ def load_hf_tokenizer(directory):
         f"No tokenizer in {directory}: expected {TOKENIZER_JSON_FILE}, {TOKENIZER_FILE}, "
         "or vocab.json and merges.txt"
     )
-
-
-def _is_byte_level(json_path):
-    """Whether a `tokenizer.json` decodes bytes (GPT-2's ByteLevel decoder)."""
-    with open(json_path, encoding="utf-8") as file:
-        decoder = json.load(file).get("decoder") or {}
-    return decoder.get("type") == "ByteLevel"
 
 
 def _sentencepiece(directory):

@@ -288,6 +288,7 @@ def prepare(
             "tokenizer": (
                 None if tokenizer is None else hashlib.sha256(tokenizer.model_proto).hexdigest()
             ),
+            "eos_token": None if tokenizer is None else tokenizer_training.eos_token(tokenizer),
             "tokenizer_type": tokenizer_type,
             "shard_size": shard_size,
             "chunk_size": chunk_size,
@@ -350,15 +351,18 @@ def prepare(
                 "scan": dict(scan, sample_documents=len(sample), sample_bytes=sample_bytes),
                 "tokenizer_file": os.path.basename(tokenizer_temporary),
                 "tokenizer_sha256": hashlib.sha256(tokenizer.model_proto).hexdigest(),
+                "eos_token": tokenizer_training.eos_token(tokenizer),
                 "chunks": {},
             }
             del sample
             resume.write_state(output_directory, state)
         else:
             tokenizer_temporary = os.path.join(output_directory, state["tokenizer_file"])
-            tokenizer = tokenizer_training.load_temporary(tokenizer_temporary)
+            tokenizer = tokenizer_training.load_temporary(tokenizer_temporary,
+                                                          state.get("eos_token"))
         scan = state["scan"]
         job["tokenizer_path"] = tokenizer_temporary
+        job["eos_token"] = state.get("eos_token")
         job["validation_bin_threshold"] = scan["validation_bin_threshold"]
         if encoder and not tokenizer_training.has_encoder_pieces(tokenizer):
             raise ValueError(
