@@ -198,7 +198,7 @@ def test_sft_and_adapters_start_from_a_transformers_directory(tmp_path, hf_llama
     assert config["init"]["model_type"] == "llama"
     assert set(config["init"]["files"]) == {"config.json", "tokenizer.json",
                                             "tokenizer_config.json", "model.safetensors"}
-    assert config["model"]["key_value_heads"] == 1 and config["model"]["hidden_dim"] == 16
+    assert config["model"]["num_key_value_heads"] == 1 and config["model"]["hidden_dim"] == 16
 
     # Adapters: the same first loss; the checkpoints name the directory as their base.
     lora = tmp_path / "lora"
