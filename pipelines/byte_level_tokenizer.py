@@ -50,10 +50,11 @@ class ByteLevelTokenizer:
         from tfgpt.tokenizers.byte_pair_tokenizer import BytePairTokenizer
         from tfgpt.tokenizers.tokenizer_json import read_tokenizer_json
 
+        arguments = read_tokenizer_json(path, eos_token)  # (its errors name the file)
         try:
-            self._tokenizer = BytePairTokenizer(**read_tokenizer_json(path, eos_token))
+            self._tokenizer = BytePairTokenizer(**arguments)
         except ValueError as error:
-            raise ValueError(f"{path}: {error}" if path not in str(error) else str(error)) from None
+            raise ValueError(f"{path}: {error}") from None
         with open(path, "rb") as file:
             self._model_proto = file.read()
         self._pieces = {index: token for token, index in
@@ -87,7 +88,8 @@ class ByteLevelTokenizer:
 
     @property
     def bos_id(self) -> int:
-        """int. The first id the post-processor puts before a text (never by `encode`); -1."""
+        """int. The id the post-processor puts first (Llama 3's `<|begin_of_text|>`),
+        which `encode` leaves out; -1 when none."""
         return -1 if self._tokenizer.bos_id is None else self._tokenizer.bos_id
 
     @property

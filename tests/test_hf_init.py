@@ -220,6 +220,7 @@ def test_sft_and_adapters_start_from_a_transformers_directory(tmp_path, hf_llama
     assert np.abs(merged(ids).numpy() - base(ids).numpy()).max() > 1e-3
     oracle = tokenizers.Tokenizer.from_file(str(hf_llama / "tokenizer.json"))
     assert tokenizer.encode("the quick fox") == oracle.encode("the quick fox").ids
+    assert tokenizer.eos_id == oracle.token_to_id("<|eot_id|>")  # the directory's, kept
 
 
 def test_init_refuses_an_unknown_model_type_and_data_of_another_tokenizer(

@@ -5,8 +5,9 @@ Two layouts are recognised by their `config.json`:
 - a tfgpt run directory (`tfgpt.training`, or `python -m tfgpt.convert
   to-tfgpt`): `config.json` with the GPTConfig fields under `"model"`,
   `ckpt-N/` checkpoints of any layout (`tfgpt.checkpoint`) and the tokenizer,
-  `tokenizer.model` (SentencePiece, `pipelines.tokenizer`) or GPT-2's
-  `vocab.json` + `merges.txt`;
+  `tokenizer.model` (SentencePiece, `pipelines.tokenizer`), a Hugging Face
+  `tokenizer.json` (its data's; `config.json`'s `eos_token_id` gives its
+  end-of-text id) or GPT-2's `vocab.json` + `merges.txt`;
 - a Hugging Face decoder directory, of any decoder family's `model_type`
   (`tfgpt.models.decoder_families`): read by
   `tfgpt.convert_decoders.load_hf_decoder`, with the tokenizer of
@@ -85,10 +86,14 @@ def save_model(directory, model, tokenizer=None, chat_template=None):
     `pipelines.chat_template.ChatTemplate` `chat_template`, if given, under
     `"chat_template"`) and the weights go to `ckpt-0`, as a one-process run
     writes them (`tfgpt.checkpoint`); a `BytePairTokenizer` is saved as
-    `vocab.json` and `merges.txt`, a SentencePiece one as `tokenizer.model`.
+    `vocab.json` and `merges.txt` (and the `tokenizer.json` it was read from,
+    its end-of-text id as `eos_token_id` in `config.json`), a SentencePiece
+    one as `tokenizer.model`.
     """
     fields = {field.name: getattr(model, field.name) for field in dataclasses.fields(GPTConfig)}
     record = {"model": fields}
+    if isinstance(tokenizer, BytePairTokenizer) and tokenizer.eos_id is not None:
+        record["eos_token_id"] = tokenizer.eos_id
     if chat_template is not None:
         record["chat_template"] = chat_template.spec()
     write_run_files(directory, record)
