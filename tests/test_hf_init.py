@@ -9,6 +9,8 @@ model and the tokenizer are tiny, trained or drawn here; nothing is downloaded.
 
 import json
 import os
+import shutil
+import types
 
 import numpy as np
 import pytest
@@ -238,3 +240,26 @@ def test_init_refuses_an_unknown_model_type_and_data_of_another_tokenizer(
                        f"tokenizer than the model of --init {hf_llama}: prepare it with "
                        f"--tokenizer {hf_llama}$"):
         _train([*common, "--data", tiny_data, "--init", hf_llama, "--out", tmp_path / "b"])
+
+
+def test_a_sentencepiece_directory_gives_its_tokenizer_model_to_prepare_and_init(
+        tmp_path, hf_llama, tiny_data):
+    """Llama 2 and Mistral ship `tokenizer.model` beside a `tokenizer.json` that is not
+    byte-level: preparation encodes with the former, and `--init` checks the data by it."""
+    from pipelines.tokenizer import Tokenizer
+    from tfgpt.training.trainer import read_init
+
+    directory = tmp_path / "sentencepiece"
+    shutil.copytree(hf_llama, directory)
+    shutil.copy(tiny_data / "tokenizer.model", directory)
+    content = json.loads((directory / "tokenizer.json").read_text())
+    (directory / "tokenizer.json").write_text(json.dumps({**content, "decoder": {
+        "type": "Metaspace", "replacement": "\u2581"}}))
+    tokenizer = Tokenizer.load(str(directory))
+    assert isinstance(tokenizer, Tokenizer) and not tokenizer.add_bos
+    assert tokenizer.model_proto == (tiny_data / "tokenizer.model").read_bytes()
+    train_config = types.SimpleNamespace(init=str(directory), data=str(tiny_data),
+                                         preset="gpt-demo")
+    model = read_init(train_config, "gpt", load_manifest(str(tiny_data)))  # the same file
+    assert model["vocabulary_size"] == json.loads(
+        (hf_llama / "config.json").read_text())["vocab_size"]
