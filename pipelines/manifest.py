@@ -149,15 +149,19 @@ class TokenizerDescription(TypedDict):
     """The manifest's `tokenizer`: how to load it and its special ids.
 
     Keys:
-        type: str. "sentencepiece" or "wordpiece".
-        model_type: str. "bpe", "unigram" or "wordpiece".
+        type: str. "sentencepiece", "wordpiece" or "byte-level-bpe" (a
+            Hugging Face `tokenizer.json`, `pipelines.byte_level_tokenizer`).
+        model_type: str. "bpe", "unigram", "wordpiece" or "byte-level-bpe".
         byte_fallback: bool.
         normalization: str. The normalization rule's name.
         add_dummy_prefix: bool.
-        model_file: str. "tokenizer.model" or "vocab.txt", in the directory.
+        model_file: str. "tokenizer.model", "vocab.txt" or "tokenizer.json", in
+            the directory.
         sha256: str. Hex SHA-256 of that file.
         vocabulary_size: int.
-        pad_id, unk_id, bos_id, eos_id: int. -1 when absent.
+        pad_id, unk_id, bos_id, eos_id: int. -1 when absent (a
+            `tokenizer.json`'s eos is its model directory's, and it has no
+            pad: readers pad records with id 0 at loss weight 0).
         eos_piece: str.
         cls_id, sep_id, mask_id: int. -1 when absent (packed-only tokenizers).
         trained: bool. True if prepare trained it, False if reused.

@@ -27,11 +27,14 @@ and these fixed choices:
   tokenizer made them.
 
 `Tokenizer.load(path)` accepts a `tokenizer.model` file, a WordPiece
-`vocab.txt`, or a directory holding either (a prepared data directory, to
-reuse its tokenizer), and returns a `Tokenizer` or a `WordPieceTokenizer`:
-both have `encode`, `encode_batch`, `decode`, `vocabulary_size`, the special
-ids (`pad_id`, `unk_id`, `eos_id`, `bos_id`, `cls_id`, `sep_id`, `mask_id`;
--1 when absent), `settings()`, `save(directory)` and `tf_tokenizer()`.
+`vocab.txt`, a Hugging Face byte-level BPE `tokenizer.json`, or a directory
+holding one (a prepared data directory, to reuse its tokenizer, or a
+Hugging Face model directory: `tfgpt.hf_files.tokenizer_file` picks its
+file), and returns a `Tokenizer`, a `WordPieceTokenizer` or a
+`pipelines.byte_level_tokenizer.ByteLevelTokenizer`: each has `encode`,
+`encode_batch`, `decode`, `vocabulary_size`, the special ids (`pad_id`,
+`unk_id`, `eos_id`, `bos_id`, `cls_id`, `sep_id`, `mask_id`; -1 when
+absent), `settings()`, `save(directory)` and `tf_tokenizer()`.
 
 Example:
 
@@ -154,32 +157,38 @@ class Tokenizer:
         """Load a tokenizer from a file or a directory.
 
         Args:
-            path: str. A SentencePiece model file, a WordPiece `vocab.txt`, or
-                a directory holding `tokenizer.model` or `vocab.txt` (e.g. a
-                prepared data directory).
+            path: str. A SentencePiece model file, a WordPiece `vocab.txt`, a
+                byte-level BPE `tokenizer.json`, or a directory holding one
+                (e.g. a prepared data directory, or a Hugging Face model's).
             add_bos: bool. For a SentencePiece model: put its bos id first.
 
         Returns:
-            Tokenizer, or `pipelines.wordpiece_tokenizer.WordPieceTokenizer`
-            for a WordPiece vocabulary.
+            Tokenizer, `pipelines.wordpiece_tokenizer.WordPieceTokenizer` for
+            a WordPiece vocabulary, or
+            `pipelines.byte_level_tokenizer.ByteLevelTokenizer`.
         """
         from pipelines import wordpiece_tokenizer
+        from pipelines.byte_level_tokenizer import ByteLevelTokenizer
+        from tfgpt.hf_files import is_byte_level, tokenizer_file
 
         if os.path.isdir(path):
-            model_path = os.path.join(path, MODEL_FILENAME)
             vocabulary_path = os.path.join(path, wordpiece_tokenizer.VOCABULARY_FILENAME)
-            if os.path.exists(model_path):
-                path = model_path
-            elif os.path.exists(vocabulary_path):
+            found = tokenizer_file(path)
+            if os.path.exists(vocabulary_path) and (
+                    found is None or found.endswith(".json") and not is_byte_level(found)):
+                # (a BERT's directory: WordPiece's tokenizer.json beside its vocab.txt)
                 return wordpiece_tokenizer.WordPieceTokenizer.load(vocabulary_path)
-            else:
+            if found is None:
                 raise ValueError(
                     f"Cannot find a tokenizer in a directory: it holds neither "
-                    f"{MODEL_FILENAME} nor {wordpiece_tokenizer.VOCABULARY_FILENAME}. "
-                    f"Received: path={path!r}"
+                    f"{MODEL_FILENAME}, {ByteLevelTokenizer.filename} nor "
+                    f"{wordpiece_tokenizer.VOCABULARY_FILENAME}. Received: path={path!r}"
                 )
-        elif path.endswith(".txt"):
+            path = found
+        if path.endswith(".txt"):
             return wordpiece_tokenizer.WordPieceTokenizer.load(path)
+        if path.endswith(".json"):
+            return ByteLevelTokenizer.load(path)
         try:
             with open(path, "rb") as model_file:
                 model_proto = model_file.read()

@@ -38,7 +38,8 @@ def parse_args(argv=None):
         description="Reads a Hugging Face GPT-2, GPT-J, GPT-Neo, GPT-NeoX, Llama, Mistral or\n"
         "Qwen2 directory (config.json, safetensors or pytorch_model.bin, its\n"
         "tokenizer) and writes a tfgpt run directory (config.json, ckpt-0, the\n"
-        "tokenizer), which train_hvd.py --init starts from.",
+        "tokenizer), which tfgpt.generate and train_hvd.py --init read (--init also\n"
+        "reads the Hugging Face directory itself).",
     )
     to_gpt2 = commands.add_parser(
         "to-gpt2", formatter_class=HelpFormatter,

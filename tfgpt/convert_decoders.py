@@ -37,6 +37,7 @@ import os
 
 import numpy as np
 
+from tfgpt.checkpoint.files import region
 from tfgpt.hf_files import read_hf_checkpoint
 from tfgpt.models.adapters import adapted_layers, save_peft
 from tfgpt.models.decoder_families import DECODER_FAMILIES, MODEL_TYPES
@@ -244,6 +245,54 @@ def load_hf_decoder(directory, dtype=None):
     model = GPT(**dataclasses.asdict(config), dtype=dtype)
     load_hf_weights(model, tensors, directory, hf_config["model_type"])
     return model
+
+
+class HFDecoderReader:
+    """A transformers decoder directory read as a tfgpt checkpoint of the whole model.
+
+    `--init HF_DIR` and an adapter run's base read it through
+    `tfgpt.checkpoint.base.open_checkpoint`, with the interface of
+    `tfgpt.checkpoint.files.Reader` they use (`entry`, `whole`, `part`,
+    `close`): the model `load_hf_decoder` builds, float32, its weights keyed
+    by variable path as a checkpoint keys them, so that every layout takes
+    its slices of them. The model is held whole while the reader is open.
+
+    Args:
+        path: str. The transformers checkpoint directory.
+    """
+
+    def __init__(self, path):
+        from tfgpt.checkpoint.state import model_entries
+
+        self.path = path
+        self.index = {}  # (a checkpoint's index: nothing of an adapter base)
+        self._variables = {entry.key: entry.variable for entry in
+                           model_entries(load_hf_decoder(path, dtype="float32"))}
+
+    def entry(self, key, shape=None):
+        """`{"dtype", "shape"}` of `key`; raises in one line if this model lacks it or
+        has another shape."""
+        variable = self._variables.get(key)
+        if variable is None:
+            raise ValueError(f"{self.path} holds no {key!r}: its model is another than this "
+                             "run's")
+        if shape is not None and tuple(shape) != tuple(variable.shape):
+            raise ValueError(f"{self.path} holds {key!r} with shape {tuple(variable.shape)}; "
+                             f"this model's is {tuple(shape)}: another model")
+        return {"dtype": "float32", "shape": list(variable.shape)}
+
+    def whole(self, key):
+        """The global tensor `key`."""
+        self.entry(key)
+        return self._variables[key].numpy()
+
+    def part(self, key, shape=None, split=None, tensor=None, rows=None):
+        """The region of `key` a rank holds (as `Reader.part`)."""
+        self.entry(key, shape)
+        return region(self._variables[key].numpy(), split, tensor, rows)
+
+    def close(self):
+        self._variables = {}
 
 
 def save_hf_decoder(model, directory, model_type="llama"):

@@ -13,6 +13,7 @@ PyTorch, unless it predates torch's zip format).
 """
 
 import collections.abc
+import hashlib
 import json
 import os
 import struct
@@ -31,6 +32,8 @@ _SAFETENSORS_DTYPES = {
 # The weight files a directory may hold, in the order they are looked for.
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
+TOKENIZER_JSON_FILE = "tokenizer.json"
+SENTENCEPIECE_FILE = "tokenizer.model"
 
 
 class CheckpointTensors(collections.abc.Mapping):
@@ -151,8 +154,8 @@ def read_weights(directory):
     return CheckpointTensors(readers)
 
 
-def read_hf_checkpoint(directory):
-    """`(config, tensors)`: the parsed `config.json` and the `CheckpointTensors`."""
+def read_hf_config(directory):
+    """The parsed `config.json` of a transformers checkpoint directory."""
     config_path = os.path.join(directory, "config.json")
     try:
         with open(config_path) as file:
@@ -164,4 +167,78 @@ def read_hf_checkpoint(directory):
         ) from None
     except json.JSONDecodeError as error:
         raise ValueError(f"{config_path}: malformed JSON ({error})") from None
-    return config, read_weights(directory)
+    return config
+
+
+def read_hf_checkpoint(directory):
+    """`(config, tensors)`: the parsed `config.json` and the `CheckpointTensors`."""
+    return read_hf_config(directory), read_weights(directory)
+
+
+def model_type_of(directory):
+    """The `model_type` its `config.json` gives when `directory` is a transformers
+    checkpoint directory; None otherwise (a tfgpt run directory, or no config)."""
+    if not os.path.isfile(os.path.join(directory, "config.json")):
+        return None
+    config = read_hf_config(directory)
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    return model_type if isinstance(model_type, str) else None
+
+
+def is_byte_level(json_path):
+    """Whether a `tokenizer.json` decodes bytes (GPT-2's ByteLevel decoder)."""
+    with open(json_path, encoding="utf-8") as file:
+        decoder = json.load(file).get("decoder") or {}
+    return decoder.get("type") == "ByteLevel"
+
+
+def tokenizer_file(directory):
+    """The tokenizer file tfgpt reads in `directory`, or None.
+
+    `tokenizer.json` when it is byte-level BPE (GPT-2, GPT-J, GPT-NeoX,
+    Llama 3, Qwen2) or alone, else `tokenizer.model` (SentencePiece: Llama 2
+    and Mistral ship it beside a `tokenizer.json` that is not byte-level).
+    Data preparation, `tfgpt.loading` and `--init`'s check of the data's
+    tokenizer all take this one file.
+    """
+    json_path = os.path.join(directory, TOKENIZER_JSON_FILE)
+    model_path = os.path.join(directory, SENTENCEPIECE_FILE)
+    has_model = os.path.isfile(model_path)
+    if os.path.isfile(json_path) and not (has_model and not is_byte_level(json_path)):
+        return json_path
+    return model_path if has_model else None
+
+
+def file_sha256(path):
+    """The hex SHA-256 of the file at `path`, read in 1 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def identity(directory):
+    """What a run started from the transformers checkpoint `directory` records of it.
+
+    Returns:
+        dict: `directory` (absolute), `model_type`, and `files`: each of
+        `config.json`, the tokenizer file and `tokenizer_config.json` by its
+        SHA-256, and each weight file by its size and modification time
+        (hashing gigabytes of weights at every start would cost minutes).
+    """
+    files = {}
+    tokenizer = tokenizer_file(directory)
+    for name in ("config.json", "tokenizer_config.json",
+                 os.path.basename(tokenizer) if tokenizer else None):
+        if name and os.path.isfile(os.path.join(directory, name)):
+            files[name] = {"sha256": file_sha256(os.path.join(directory, name))}
+    weights = [name for name in WEIGHT_FILES if os.path.exists(os.path.join(directory, name))][:1]
+    if weights and weights[0].endswith(".index.json"):
+        with open(os.path.join(directory, weights[0])) as file:
+            weights += sorted(set(json.load(file)["weight_map"].values()))
+    for name in weights:
+        status = os.stat(os.path.join(directory, name))
+        files[name] = {"bytes": status.st_size, "modified_ns": status.st_mtime_ns}
+    return {"directory": os.path.abspath(directory), "model_type": model_type_of(directory),
+            "files": files}

@@ -5,8 +5,9 @@ Two layouts are recognised by their `config.json`:
 - a tfgpt run directory (`tfgpt.training`, or `python -m tfgpt.convert
   to-tfgpt`): `config.json` with the GPTConfig fields under `"model"`,
   `ckpt-N/` checkpoints of any layout (`tfgpt.checkpoint`) and the tokenizer,
-  `tokenizer.model` (SentencePiece, `pipelines.tokenizer`) or GPT-2's
-  `vocab.json` + `merges.txt`;
+  `tokenizer.model` (SentencePiece, `pipelines.tokenizer`), a Hugging Face
+  `tokenizer.json` (its data's; `config.json`'s `eos_token_id` gives its
+  end-of-text id) or GPT-2's `vocab.json` + `merges.txt`;
 - a Hugging Face decoder directory, of any decoder family's `model_type`
   (`tfgpt.models.decoder_families`): read by
   `tfgpt.convert_decoders.load_hf_decoder`, with the tokenizer of
@@ -27,6 +28,7 @@ from tfgpt.checkpoint import (
 )
 from tfgpt.config import GPTConfig
 from tfgpt.convert_decoders import ARCHITECTURES, converter, load_hf_decoder
+from tfgpt.hf_files import tokenizer_file
 from tfgpt.models.adapters import add_run_adapters, load_adapters, merged
 from tfgpt.models.gpt import GPT
 from tfgpt.tokenizers import check_tokenizer_matches_model
@@ -84,10 +86,14 @@ def save_model(directory, model, tokenizer=None, chat_template=None):
     `pipelines.chat_template.ChatTemplate` `chat_template`, if given, under
     `"chat_template"`) and the weights go to `ckpt-0`, as a one-process run
     writes them (`tfgpt.checkpoint`); a `BytePairTokenizer` is saved as
-    `vocab.json` and `merges.txt`, a SentencePiece one as `tokenizer.model`.
+    `vocab.json` and `merges.txt` (and the `tokenizer.json` it was read from,
+    its end-of-text id as `eos_token_id` in `config.json`), a SentencePiece
+    one as `tokenizer.model`.
     """
     fields = {field.name: getattr(model, field.name) for field in dataclasses.fields(GPTConfig)}
     record = {"model": fields}
+    if isinstance(tokenizer, BytePairTokenizer) and tokenizer.eos_id is not None:
+        record["eos_token_id"] = tokenizer.eos_id
     if chat_template is not None:
         record["chat_template"] = chat_template.spec()
     write_run_files(directory, record)
@@ -100,9 +106,10 @@ def save_model(directory, model, tokenizer=None, chat_template=None):
 
 
 def load_tokenizer(directory):
-    """Returns the tokenizer saved in a tfgpt run `directory`, or None if there is none."""
-    if os.path.exists(os.path.join(directory, TOKENIZER_FILE)):
-        return _sentencepiece(directory)
+    """Returns the tokenizer saved in a tfgpt run `directory`, or None if there is none
+    (a run trained on data prepared with a Hugging Face `tokenizer.json` holds that)."""
+    if tokenizer_file(directory) is not None:
+        return load_hf_tokenizer(directory)
     if os.path.exists(os.path.join(directory, "vocab.json")):
         return BytePairTokenizer.from_directory(directory)
     return None
@@ -125,11 +132,10 @@ def load_hf_tokenizer(directory):
     Returns:
         A `BytePairTokenizer` or a `pipelines.tokenizer.Tokenizer`.
     """
-    json_path = os.path.join(directory, TOKENIZER_JSON_FILE)
-    has_model = os.path.isfile(os.path.join(directory, TOKENIZER_FILE))
-    if os.path.isfile(json_path) and not (has_model and not _is_byte_level(json_path)):
-        return BytePairTokenizer.from_tokenizer_json(json_path)
-    if has_model:
+    path = tokenizer_file(directory)
+    if path is not None and path.endswith(TOKENIZER_JSON_FILE):
+        return BytePairTokenizer.from_tokenizer_json(path)
+    if path is not None:
         return _sentencepiece(directory)
     if all(os.path.isfile(os.path.join(directory, name)) for name in ("vocab.json", "merges.txt")):
         return BytePairTokenizer.from_directory(directory)
@@ -137,13 +143,6 @@ def load_hf_tokenizer(directory):
         f"No tokenizer in {directory}: expected {TOKENIZER_JSON_FILE}, {TOKENIZER_FILE}, "
         "or vocab.json and merges.txt"
     )
-
-
-def _is_byte_level(json_path):
-    """Whether a `tokenizer.json` decodes bytes (GPT-2's ByteLevel decoder)."""
-    with open(json_path, encoding="utf-8") as file:
-        decoder = json.load(file).get("decoder") or {}
-    return decoder.get("type") == "ByteLevel"
 
 
 def _sentencepiece(directory):

@@ -31,7 +31,9 @@ Steps (the module of each in parentheses):
    `--tokenizer-sample-bytes` (default 64 MiB) of training documents: the
    documents with the smallest keyed hashes that fit the budget, a uniform
    sample independent of input order. Or reuse `--tokenizer` (a model file,
-   a `vocab.txt` or a directory holding one, e.g. an earlier data directory).
+   a `vocab.txt`, a Hugging Face byte-level BPE `tokenizer.json`
+   (`pipelines.byte_level_tokenizer`), or a directory holding one, e.g. an
+   earlier data directory or a Hugging Face model's).
 4. Encode and write (`encoding`, `shard_writer`; parallel over chunks,
    `--workers` processes): each chunk's documents are encoded in batches and
    written to that chunk's own shards, rolled at `--shard-size` bytes

@@ -234,8 +234,9 @@ def build_argument_parser() -> argparse.ArgumentParser:
         "--tokenizer",
         default=not_given,
         metavar="PATH",
-        help="reuse a tokenizer: tokenizer.model, vocab.txt, or a directory holding one, e.g. "
-        "an earlier data directory (default: train one on the corpus)",
+        help="reuse a tokenizer: tokenizer.model, vocab.txt, a Hugging Face byte-level BPE "
+        "tokenizer.json, or a directory holding one, e.g. an earlier data directory or a "
+        "Hugging Face model's (default: train one on the corpus)",
     )
     tokenizer.add_argument(
         "--tokenizer-sample-bytes",

@@ -29,6 +29,10 @@ from pipelines.manifest import (
 from pipelines.prepare.resume import STATE_FILENAME, existing_dataset_files
 from pipelines.prepare.tokenizer_training import TOKENIZER_FILENAMES
 from pipelines.wordpiece_tokenizer import VOCABULARY_FILENAME
+from tfgpt.hf_files import TOKENIZER_JSON_FILE
+
+# The manifest's tokenizer `type` of each tokenizer file; a `tokenizer.model` is SentencePiece.
+TOKENIZER_KINDS = {VOCABULARY_FILENAME: "wordpiece", TOKENIZER_JSON_FILE: "byte-level-bpe"}
 
 
 def _ordered_shards(chunk_results: dict, split: str) -> List[dict]:
@@ -81,7 +85,7 @@ def _tokenizer_description(
     tokenizer, tokenizer_path, sample_documents, sample_bytes
 ) -> TokenizerDescription:
     return TokenizerDescription(
-        type="wordpiece" if tokenizer.filename == VOCABULARY_FILENAME else "sentencepiece",
+        type=TOKENIZER_KINDS.get(tokenizer.filename, "sentencepiece"),
         **tokenizer.settings(),
         model_file=tokenizer.filename,
         sha256=hashlib.sha256(tokenizer.model_proto).hexdigest(),

@@ -59,7 +59,7 @@ def _initialize_worker(job: dict, shared_counters) -> None:
 
 def _worker_tokenizer(job: dict):
     if _WORKER["tokenizer"] is None:
-        _WORKER["tokenizer"] = load_temporary(job["tokenizer_path"])
+        _WORKER["tokenizer"] = load_temporary(job["tokenizer_path"], job["eos_token"])
     return _WORKER["tokenizer"]
 
 

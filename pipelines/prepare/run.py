@@ -140,8 +140,9 @@ def prepare(
             upper bound for WordPiece). Required unless `tokenizer_path` is
             given (then it must match, if given).
         tokenizer_path: str or None. An existing tokenizer to reuse: a
-            SentencePiece model, a WordPiece `vocab.txt`, or a directory with
-            either (e.g. an earlier data directory).
+            SentencePiece model, a WordPiece `vocab.txt`, a Hugging Face
+            byte-level BPE `tokenizer.json`, or a directory with one (e.g. an
+            earlier data directory, or a Hugging Face model's).
         tokenizer_type: str. "bpe", "unigram" (SentencePiece) or "wordpiece".
         shard_size: int. Target shard size in bytes (default 1 GiB).
         chunk_size: int or None. Bytes of input per unit of work (default
@@ -227,8 +228,8 @@ def prepare(
     if instructions and tokenizer_path is None:
         raise ValueError(
             "--format instructions needs --tokenizer, the tokenizer of the model to fine-tune "
-            "(e.g. its run or data directory): a tokenizer trained on the examples would "
-            "not match the model's ids")
+            "(e.g. its run, data or Hugging Face directory): a tokenizer trained on the "
+            "examples would not match the model's ids")
     if chunk_size is None:
         chunk_size = max(2 * shard_size, MINIMUM_DEFAULT_CHUNK_SIZE)
     _check_byte_count("chunk_size", chunk_size)
@@ -288,6 +289,7 @@ def prepare(
             "tokenizer": (
                 None if tokenizer is None else hashlib.sha256(tokenizer.model_proto).hexdigest()
             ),
+            "eos_token": None if tokenizer is None else tokenizer_training.eos_token(tokenizer),
             "tokenizer_type": tokenizer_type,
             "shard_size": shard_size,
             "chunk_size": chunk_size,
@@ -350,15 +352,18 @@ def prepare(
                 "scan": dict(scan, sample_documents=len(sample), sample_bytes=sample_bytes),
                 "tokenizer_file": os.path.basename(tokenizer_temporary),
                 "tokenizer_sha256": hashlib.sha256(tokenizer.model_proto).hexdigest(),
+                "eos_token": tokenizer_training.eos_token(tokenizer),
                 "chunks": {},
             }
             del sample
             resume.write_state(output_directory, state)
         else:
             tokenizer_temporary = os.path.join(output_directory, state["tokenizer_file"])
-            tokenizer = tokenizer_training.load_temporary(tokenizer_temporary)
+            tokenizer = tokenizer_training.load_temporary(tokenizer_temporary,
+                                                          state.get("eos_token"))
         scan = state["scan"]
         job["tokenizer_path"] = tokenizer_temporary
+        job["eos_token"] = state.get("eos_token")
         job["validation_bin_threshold"] = scan["validation_bin_threshold"]
         if encoder and not tokenizer_training.has_encoder_pieces(tokenizer):
             raise ValueError(

@@ -4,13 +4,16 @@ SentencePiece BPE or unigram (`pipelines.tokenizer`) or WordPiece
 (`pipelines.wordpiece_tokenizer`, which imports TensorFlow when it trains
 or encodes). A reused tokenizer (`--tokenizer`) must have an EOS piece,
 match `--vocab-size` if given, and have [CLS], [SEP] and [MASK] for
-`--format encoder`. Until the commit the tokenizer lives in the output
-directory as `.tokenizer.model.tmp` or `.vocab.txt.tmp`, where workers and
-a resumed run load it.
+`--format encoder`; a Hugging Face model's byte-level BPE `tokenizer.json`
+(`pipelines.byte_level_tokenizer`) is reused as it is. Until the commit the
+tokenizer lives in the output directory as `.tokenizer.model.tmp`,
+`.vocab.txt.tmp` or `.tokenizer.json.tmp`, where workers and a resumed run
+load it (a `tokenizer.json` with the end-of-text token it was loaded with).
 """
 
 import os
 
+from pipelines.byte_level_tokenizer import ByteLevelTokenizer
 from pipelines.tokenizer import MODEL_FILENAME, Tokenizer, train_tokenizer
 from pipelines.wordpiece_tokenizer import (
     VOCABULARY_FILENAME,
@@ -20,12 +23,12 @@ from pipelines.wordpiece_tokenizer import (
 
 TOKENIZER_TYPES = ("bpe", "unigram", "wordpiece")
 # What a data directory's `model_file` can be, and its name until the commit.
-TOKENIZER_FILENAMES = (MODEL_FILENAME, VOCABULARY_FILENAME)
+TOKENIZER_FILENAMES = (MODEL_FILENAME, VOCABULARY_FILENAME, ByteLevelTokenizer.filename)
 TEMPORARY_TOKENIZER_NAMES = tuple(f".{name}.tmp" for name in TOKENIZER_FILENAMES)
 
 
 def temporary_path(directory: str, tokenizer) -> str:
-    """Where the tokenizer waits for the commit: `.tokenizer.model.tmp` or `.vocab.txt.tmp`."""
+    """Where the tokenizer waits for the commit: `.{its filename}.tmp`."""
     return os.path.join(directory, f".{tokenizer.filename}.tmp")
 
 
@@ -67,8 +70,17 @@ def load_reused(tokenizer_path, vocabulary_size, record_format):
     return tokenizer
 
 
-def load_temporary(path: str):
-    """Load `.tokenizer.model.tmp` or `.vocab.txt.tmp` by its name."""
+def eos_token(tokenizer):
+    """What `load_temporary` needs besides the file: a `tokenizer.json`'s
+    end-of-text token (the files beside it named it); None for the others."""
+    return getattr(tokenizer, "eos_piece", None)
+
+
+def load_temporary(path: str, eos: str = None):
+    """Load `.tokenizer.model.tmp`, `.vocab.txt.tmp` or `.tokenizer.json.tmp`
+    (with its end-of-text token `eos`) by its name."""
     if os.path.basename(path) == f".{VOCABULARY_FILENAME}.tmp":
         return WordPieceTokenizer.load(path)
+    if os.path.basename(path) == f".{ByteLevelTokenizer.filename}.tmp":
+        return ByteLevelTokenizer(path, eos)
     return Tokenizer.load(path)

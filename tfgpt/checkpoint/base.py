@@ -8,6 +8,10 @@ and a fingerprint of the base weights). A resume and `tfgpt.loading`
 read the base weights from there, after checking that the fingerprint is
 still theirs: adapters trained on one base mean nothing on another.
 
+`--init` may also name a transformers decoder directory: it is read as a
+checkpoint of the whole model (`open_checkpoint`), and is then the base's
+"run" and "checkpoint" both.
+
 The fingerprint is a sha256 over the base tensors as global tensors (key,
 dtype, shape and bytes, keys in order), read from the base checkpoint, so
 it does not depend on the layout that wrote the base nor on the one that
@@ -20,6 +24,7 @@ import os
 import numpy as np
 
 from tfgpt.checkpoint.files import INDEX_FILE, Reader, latest
+from tfgpt.hf_files import model_type_of
 
 
 def _digest(reader, keys):
@@ -32,24 +37,38 @@ def _digest(reader, keys):
     return digest.hexdigest()
 
 
-def read_base(path, entries):
-    """Reads `entries` (`tfgpt.checkpoint.state.Entry`, the base weights this
-    rank holds) from the checkpoint directory `path`; returns the fingerprint
-    of the base (all the keys `entries` name, whole)."""
-    reader = Reader(path)
+def open_checkpoint(path):
+    """A `Reader` of the checkpoint directory `path`, or, when `path` is a
+    transformers decoder directory, one of the whole model it holds
+    (`tfgpt.convert_decoders.HFDecoderReader`)."""
+    if model_type_of(path) is not None:
+        from tfgpt.convert_decoders import HFDecoderReader  # (it imports the models)
+
+        return HFDecoderReader(path)
+    return Reader(path)
+
+
+def read_base(path, entries, fingerprint=True):
+    """Reads `entries` (`tfgpt.checkpoint.state.Entry`, the weights this rank
+    holds) from the checkpoint `path` (`open_checkpoint`); returns the
+    fingerprint of the base (all the keys `entries` name, whole), or None
+    without `fingerprint`."""
+    reader = open_checkpoint(path)
     try:
         for entry in entries:
             entry.variable.assign(reader.part(entry.key, entry.shape, entry.split, entry.tensor,
                                               entry.rows and entry.rows[:2]))
-        return _digest(reader, {entry.key for entry in entries})
+        return _digest(reader, {entry.key for entry in entries}) if fingerprint else None
     finally:
         reader.close()
 
 
 def whole_model_checkpoint(directory):
     """The latest checkpoint of the run `directory`, which `--init` reads a
-    whole model from; raises in one line when there is none, or when it holds
-    adapters alone."""
+    whole model from (a transformers decoder directory: itself); raises in
+    one line when there is none, or when it holds adapters alone."""
+    if model_type_of(directory) is not None:
+        return directory
     path = latest(directory)
     if path is None:
         raise FileNotFoundError(f"no checkpoint (ckpt-N/{INDEX_FILE}) in {directory}")
@@ -94,7 +113,7 @@ class AdapterBase:
         gone or holds other weights than the adapters were trained on.
         """
         base = reference["checkpoint"]
-        if not os.path.exists(os.path.join(base, INDEX_FILE)):
+        if not (os.path.exists(os.path.join(base, INDEX_FILE)) or model_type_of(base)):
             raise ValueError(f"the adapters of {adapters} were trained on the base {base}, "
                              "which is missing: restore that checkpoint of "
                              f"{reference['run']} or merge the adapters where it exists")

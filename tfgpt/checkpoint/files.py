@@ -141,6 +141,13 @@ def commit(directory, step, ranks, meta, keep):
             shutil.rmtree(step_directory(directory, old), ignore_errors=True)
 
 
+def region(value, split=None, tensor=None, rows=None):
+    """The part of the global tensor `value` a rank holds (`Reader.part`'s arguments)."""
+    if tensor is not None and tensor[0] > 1:
+        value = take_slice(value, split, *tensor)
+    return value[rows[0]:rows[1]] if rows is not None else value
+
+
 class Reader:
     """Reads the parts any layout needs from the checkpoint directory `path`.
 
@@ -239,10 +246,7 @@ class Reader:
                     tuple(chunk["tensor"] or (1, 0)) == tuple(tensor or (1, 0))) and (
                     (chunk["rows"] or [None, None])[:2] == list(rows or [None, None])):
                 return self.array(chunk, entry["dtype"])
-        value = self.whole(key)
-        if tensor is not None and tensor[0] > 1:
-            value = take_slice(value, split, *tensor)
-        return value[rows[0]:rows[1]] if rows is not None else value
+        return region(self.whole(key), split, tensor, rows)
 
     def rank_object(self, key, coordinates, same_layout):
         """A per-rank object: this rank's own when `same_layout`, else the first

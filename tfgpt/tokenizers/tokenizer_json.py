@@ -42,8 +42,8 @@ def read_tokenizer_json(path, eos_token=None):
 
     Args:
         path: str. The `tokenizer.json` file.
-        eos_token: str or None. The end-of-text token; None reads `eos_token`
-            from `tokenizer_config.json` beside `path`, if there is one.
+        eos_token: str or None. The end-of-text token; None takes the one the
+            files beside `path` name (`configured_eos`).
 
     Returns:
         dict of keyword arguments for `BytePairTokenizer`.
@@ -71,15 +71,20 @@ def read_tokenizer_json(path, eos_token=None):
                 f"{key}={model.get(key)!r}"
             )
     _check_decoder(content.get("decoder"), path)
+    vocabulary = model.get("vocab") or {}
+    special_tokens = _added_tokens(content.get("added_tokens") or [], path)
+    if eos_token is None:
+        pieces = {index: token for token, index in {**vocabulary, **special_tokens}.items()}
+        eos_token = configured_eos(os.path.dirname(path), pieces)
     return dict(
-        vocabulary=model.get("vocab") or {},
+        vocabulary=vocabulary,
         merges=model.get("merges") or [],
-        special_tokens=_added_tokens(content.get("added_tokens") or [], path),
+        special_tokens=special_tokens,
         split_pattern=_split_pattern(content.get("pre_tokenizer"), path),
         normalization=_normalization(content.get("normalizer"), path),
         ignore_merges=bool(model.get("ignore_merges", False)),
         **_template(content.get("post_processor"), path),
-        eos_token=eos_token if eos_token is not None else _configured_eos(path),
+        eos_token=eos_token,
         tokenizer_json=text,
     )
 
@@ -177,13 +182,35 @@ def _check_decoder(decoder, path):
         )
 
 
-def _configured_eos(path):
-    """`eos_token` of `tokenizer_config.json` beside `path`, or None."""
-    config_path = os.path.join(os.path.dirname(path), TOKENIZER_CONFIG_FILE)
-    if not os.path.isfile(config_path):
-        return None
-    with open(config_path, encoding="utf-8") as file:
-        eos_token = json.load(file).get("eos_token")
+def configured_eos(directory, pieces):
+    """The end-of-text token the files of `directory` name, or None.
+
+    In order: `eos_token` of `tokenizer_config.json`; the token of
+    `eos_token_id` in `config.json` (a transformers checkpoint's, the first
+    of a list; a tfgpt run started from one records it too); `eos_piece` of
+    a data directory's `manifest.json` (`pipelines.prepare`).
+
+    Args:
+        directory: str.
+        pieces: dict of int -> str. The tokenizer's ids to their tokens.
+    """
+    def read(name):
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            return {}
+        with open(path, encoding="utf-8") as file:
+            content = json.load(file)
+        return content if isinstance(content, dict) else {}
+
+    eos_token = read(TOKENIZER_CONFIG_FILE).get("eos_token")
     if isinstance(eos_token, dict):  # An AddedToken written out.
         eos_token = eos_token.get("content")
-    return eos_token
+    if isinstance(eos_token, str):
+        return eos_token
+    eos_id = read("config.json").get("eos_token_id")
+    if isinstance(eos_id, list):
+        eos_id = eos_id[0] if eos_id else None
+    if isinstance(eos_id, int) and eos_id in pieces:
+        return pieces[eos_id]
+    eos_piece = (read("manifest.json").get("tokenizer") or {}).get("eos_piece")
+    return eos_piece if isinstance(eos_piece, str) else None

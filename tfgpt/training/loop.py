@@ -24,7 +24,7 @@ from pipelines import reader
 from tfgpt import kernels
 from tfgpt.checkpoint import latest
 from tfgpt.checkpoint import run as checkpoint_run
-from tfgpt.checkpoint.base import AdapterBase, whole_model_checkpoint
+from tfgpt.checkpoint.base import AdapterBase, read_base, whole_model_checkpoint
 from tfgpt.checkpoint.state import model_entries, run_entries
 from tfgpt.cli import byte_size
 from tfgpt.models.adapters import adapter_variables, base_keys
@@ -326,15 +326,16 @@ class RunPart:
     def initialize_from(self, directory):
         """Reads the model's weights that this rank holds (not the optimizer's
         state, nor the step) from the latest checkpoint of the run `directory`,
-        whatever layout wrote it; returns its path (`--init`). Under adapters
+        whatever layout wrote it, or from the transformers decoder directory
+        `directory`; returns its path (`--init`). Under adapters
         that checkpoint becomes the base its checkpoints name."""
         if self.base is not None:  # (adapters added for this run keep their start)
             path = self.base.initialize_from(directory)
         else:
-            whole_model_checkpoint(directory)
+            path = whole_model_checkpoint(directory)
             weights = {entry.key for entry in model_entries(self.model)}
-            path = checkpoint_run.load_parts(directory, [
-                entry for entry in self._entries() if entry.key in weights and not entry.per_rank])
+            read_base(path, [entry for entry in self._entries()
+                             if entry.key in weights and not entry.per_rank], fingerprint=False)
         self.sharding.after_restore()
         return path
 

@@ -8,7 +8,6 @@ optimizer, checkpoints, the loop) is `tfgpt.training.loop`.
 """
 
 import dataclasses
-import hashlib
 import math
 import os
 
@@ -16,7 +15,8 @@ import numpy as np
 import tensorflow as tf
 
 from pipelines import reader
-from tfgpt.checkpoint import TOKENIZER_FILE, read_config
+from tfgpt import hf_files
+from tfgpt.checkpoint import read_config
 from tfgpt.config import FAMILIES, family_of_preset
 from tfgpt.layers.transformer_block import set_recompute
 from tfgpt.models.adapters import add_run_adapters
@@ -74,22 +74,27 @@ def resolve_model_config(train_config, model_overrides, manifest, family, saved=
 
 
 def read_init(train_config, family, manifest):
-    """The model config (dict) of the run `--init` names, checked against
-    this run's family and its data's tokenizer."""
+    """The model config (dict) of the run or the transformers decoder directory
+    `--init` names, checked against this run's family and its data's tokenizer
+    (the same file, by its SHA-256: `tfgpt.hf_files.tokenizer_file`)."""
     directory = train_config.init
-    config = read_config(directory)
+    if hf_files.model_type_of(directory) is not None:  # a transformers decoder: its config.json
+        from tfgpt.convert_decoders import hf_decoder_config
+
+        config = {"family": "gpt", "model": dataclasses.asdict(hf_decoder_config(
+            hf_files.read_hf_config(directory), source=os.path.join(directory, "config.json")))}
+    else:
+        config = read_config(directory)
     found = config.get("family", "gpt")  # (tfgpt.loading.save_model writes none: a GPT)
     if found != family or "model" not in config:
         raise ValueError(f"--init {directory} holds a {found} model; --preset "
                          f"{train_config.preset} trains a {family} model")
-    tokenizer = os.path.join(directory, TOKENIZER_FILE)
-    if os.path.exists(tokenizer):
-        with open(tokenizer, "rb") as file:
-            digest = hashlib.sha256(file.read()).hexdigest()
-        if digest != manifest["tokenizer"].get("sha256"):
-            raise ValueError(
-                f"--data {train_config.data} was prepared with another tokenizer than the "
-                f"model of --init {directory}: prepare it with --tokenizer {directory}")
+    tokenizer = hf_files.tokenizer_file(directory)
+    if tokenizer is not None and (hf_files.file_sha256(tokenizer)
+                                  != manifest["tokenizer"].get("sha256")):
+        raise ValueError(
+            f"--data {train_config.data} was prepared with another tokenizer than the "
+            f"model of --init {directory}: prepare it with --tokenizer {directory}")
     return config["model"]
 
 
@@ -302,6 +307,13 @@ def train(train_config, model_overrides, distribution, callbacks=()):
         "replicas": distribution.size,
         # Instruction data's chat template: what `tfgpt.generate --chat` renders with.
         **{key: manifest[key] for key in ("chat_template",) if key in manifest},
+        # A transformers directory's tokenizer.json: the end-of-text id that `tfgpt.loading`
+        # reads beside it (`tfgpt.tokenizers.tokenizer_json.configured_eos`).
+        **({"eos_token_id": manifest["tokenizer"]["eos_id"]}
+           if tokenizer_file == hf_files.TOKENIZER_JSON_FILE else {}),
+        # Where an --init from a transformers directory started: its files' identity.
+        **({"init": hf_files.identity(train_config.init)}
+           if train_config.init and hf_files.model_type_of(train_config.init) else {}),
     }
     if elastic:
         metrics = _train_elastic(
