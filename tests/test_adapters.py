@@ -216,7 +216,8 @@ def _run_directory(directory, train=None, model_type=None):
     return str(directory)
 
 
-@pytest.mark.parametrize("case, message", [
+# case: the one line it gets.
+TO_PEFT_ERRORS = dict([
     ("plain run", "{run} trained no adapters (no --lora-rank in its config.json): nothing to "
                   "write; to-gpt2 writes a run's weights"),
     ("no model type", "to-peft needs the base's transformers model type: give --model-type, or "
@@ -228,7 +229,10 @@ def _run_directory(directory, train=None, model_type=None):
     ("an unknown type", "`model_type` must be one of ('gpt2', 'llama', 'mistral', 'qwen2', "
                         "'gptj', 'gpt_neo', 'gpt_neox'). Received: model_type='gpt3'"),
 ])
-def test_to_peft_refuses_in_one_line(tmp_path, capsys, case, message):
+
+
+@pytest.mark.parametrize("case", TO_PEFT_ERRORS)
+def test_to_peft_refuses_in_one_line(tmp_path, capsys, case):
     from tfgpt import convert
 
     run = _run_directory(tmp_path / "run", {"lora_rank": 0 if case == "plain run" else 2})
@@ -239,7 +243,7 @@ def test_to_peft_refuses_in_one_line(tmp_path, capsys, case, message):
     assert convert.main(["to-peft", run, str(tmp_path / "out"), *flags]) == 2
     error = capsys.readouterr().err
     assert error == (f"python -m tfgpt.convert to-peft: error: "
-                     f"{message.format(run=run, base=base)}\n")
+                     f"{TO_PEFT_ERRORS[case].format(run=run, base=base)}\n")
     assert not (tmp_path / "out").exists()
 
 
