@@ -217,18 +217,18 @@ def _run_directory(directory, train=None, model_type=None):
 
 
 # case: the one line it gets.
-TO_PEFT_ERRORS = dict([
-    ("plain run", "{run} trained no adapters (no --lora-rank in its config.json): nothing to "
-                  "write; to-gpt2 writes a run's weights"),
-    ("no model type", "to-peft needs the base's transformers model type: give --model-type, or "
-                      "--base-model a transformers directory. Received: base_model=''"),
-    ("hub name", "to-peft needs the base's transformers model type: give --model-type, or "
-                 "--base-model a transformers directory. Received: base_model='gpt2'"),
-    ("an encoder base", "{base}/config.json: model_type 'bert' is not a decoder tfgpt reads; it "
-                        "reads gpt2, llama, mistral, qwen2, gptj, gpt_neo, gpt_neox"),
-    ("an unknown type", "`model_type` must be one of ('gpt2', 'llama', 'mistral', 'qwen2', "
-                        "'gptj', 'gpt_neo', 'gpt_neox'). Received: model_type='gpt3'"),
-])
+TO_PEFT_ERRORS = {
+    "plain run": "{run} trained no adapters (no --lora-rank in its config.json): nothing to "
+                 "write; to-gpt2 writes a run's weights",
+    "no model type": "to-peft needs the base's transformers model type: give --model-type, or "
+                     "--base-model a transformers directory. Received: base_model=''",
+    "hub name": "to-peft needs the base's transformers model type: give --model-type, or "
+                "--base-model a transformers directory. Received: base_model='gpt2'",
+    "an encoder base": "{base}/config.json: model_type 'bert' is not a decoder tfgpt reads; it "
+                       "reads gpt2, llama, mistral, qwen2, gptj, gpt_neo, gpt_neox",
+    "an unknown type": "`model_type` must be one of ('gpt2', 'llama', 'mistral', 'qwen2', "
+                       "'gptj', 'gpt_neo', 'gpt_neox'). Received: model_type='gpt3'",
+}
 
 
 @pytest.mark.parametrize("case", TO_PEFT_ERRORS)
