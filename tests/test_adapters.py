@@ -151,38 +151,100 @@ def test_bad_adapter_settings_are_refused():
         layer.enable_adapter(RANK, ALPHA)
 
 
-def test_gpt2_adapters_load_in_peft_and_the_merged_model_in_transformers(tmp_path):
-    # Oracles: PEFT's LoRA on transformers' GPT-2 (the adapter as exported), and
-    # transformers' GPT-2 with the merged weights.
+def test_a_gpt2_adapter_runs_peft_export_and_merged_export_give_its_logits(tmp_path, tiny_data,
+                                                                          capsys):
+    # Oracles: PEFT's LoRA on transformers' GPT-2 (the run's adapters as `python -m
+    # tfgpt.convert to-peft` writes them), and transformers' GPT-2 with the merged
+    # weights (`to-gpt2` of the run).
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
-    from tfgpt.convert import load_gpt2_checkpoint, save_gpt2_adapter, save_gpt2_checkpoint
+    from tests.test_instruction_data import _train
+    from tfgpt import convert
+    from tfgpt.loading import load_model, save_model
 
     torch.manual_seed(0)
     reference = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        vocab_size=97, n_positions=16, n_embd=24, n_layer=2, n_head=4)).eval()
+        vocab_size=304, n_positions=16, n_embd=24, n_layer=2, n_head=4)).eval()
     reference.save_pretrained(tmp_path / "base")
-    model, _ = load_gpt2_checkpoint(str(tmp_path / "base"), load_tokenizer=False)
-    add_adapters(model, RANK, ALPHA, targets=("query_key_value", "output_projection",
-                                              "feedforward_intermediate"))
-    train_adapters(model, steps=3)
-    batch = ids(length=7) % 97
+    model, _ = convert.load_gpt2_checkpoint(str(tmp_path / "base"), load_tokenizer=False)
+    save_model(str(tmp_path / "init"), model)  # the base as a tfgpt run, for --init
+    run = tmp_path / "run"
+    _train(["--data", str(tiny_data), "--out", str(run), "--init", str(tmp_path / "init"),
+            "--steps", "3", "--batch-size", "4", "--learning-rate", "0.05", "--warmup-steps", "0",
+            "--eval-batches", "0", "--lora-rank", str(RANK), "--lora-alpha", str(ALPHA),
+            "--lora-targets", "query_key_value,output_projection,feedforward_intermediate"])
+    adapter = tmp_path / "adapter"
+    capsys.readouterr()  # the training's lines
+    assert convert.main(["to-peft", str(run), str(adapter), "--base-model",
+                         str(tmp_path / "base")]) == 0
+    assert capsys.readouterr().out.startswith(f"wrote {adapter} (")
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(tmp_path / "base") and config["r"] == RANK
 
-    save_gpt2_adapter(model, str(tmp_path / "adapter"), str(tmp_path / "base"))
+    batch = ids(length=7)
+    ours = load_model(str(run), merge_adapters=False)[0](batch).numpy()
+    assert np.abs(ours - model(batch).numpy()).max() > 1e-3  # the adapters trained
     base = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "base").eval()
     with torch.no_grad():
-        adapted = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+        adapted = peft.PeftModel.from_pretrained(base, adapter).eval()
         peft_logits = adapted(torch.tensor(batch, dtype=torch.long)).logits.numpy()
-    ours = model(batch).numpy()
-    assert np.abs(ours - model(batch, training=False).numpy()).max() == 0
-    np.testing.assert_allclose(peft_logits, ours, atol=1e-5)
+    np.testing.assert_allclose(peft_logits, ours, rtol=0, atol=1e-5)
 
-    save_gpt2_checkpoint(merged(model), str(tmp_path / "merged"))
+    assert convert.main(["to-gpt2", str(run), str(tmp_path / "merged")]) == 0
     plain = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "merged").eval()
     with torch.no_grad():
         merged_logits = plain(torch.tensor(batch, dtype=torch.long)).logits.numpy()
-    np.testing.assert_allclose(merged_logits, ours, atol=1e-5)
+    np.testing.assert_allclose(merged_logits, ours, rtol=0, atol=1e-5)
+
+    # A model type whose switches the run's model lacks: one line naming the switch.
+    capsys.readouterr()
+    assert convert.main(["to-peft", str(run), str(tmp_path / "llama"), "--model-type",
+                         "llama"]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("python -m tfgpt.convert to-peft: error: A llama checkpoint is an "
+                            "RMSNorm, ") and error.count("\n") == 1, error
+    assert not (tmp_path / "llama").exists()
+
+
+def _run_directory(directory, train=None, model_type=None):
+    """A directory with a run's config.json (`train`: its train record) or,
+    given `model_type`, a transformers config.json."""
+    directory.mkdir()
+    record = {"model_type": model_type} if model_type else {"model": {}, "train": train or {}}
+    (directory / "config.json").write_text(json.dumps(record))
+    return str(directory)
+
+
+# case: the one line it gets.
+TO_PEFT_ERRORS = {
+    "plain run": "{run} trained no adapters (no --lora-rank in its config.json): nothing to "
+                 "write; to-gpt2 writes a run's weights",
+    "no model type": "to-peft needs the base's transformers model type: give --model-type, or "
+                     "--base-model a transformers directory. Received: base_model=''",
+    "hub name": "to-peft needs the base's transformers model type: give --model-type, or "
+                "--base-model a transformers directory. Received: base_model='gpt2'",
+    "an encoder base": "{base}/config.json: model_type 'bert' is not a decoder tfgpt reads; it "
+                       "reads gpt2, llama, mistral, qwen2, gptj, gpt_neo, gpt_neox",
+    "an unknown type": "`model_type` must be one of ('gpt2', 'llama', 'mistral', 'qwen2', "
+                       "'gptj', 'gpt_neo', 'gpt_neox'). Received: model_type='gpt3'",
+}
+
+
+@pytest.mark.parametrize("case", TO_PEFT_ERRORS)
+def test_to_peft_refuses_in_one_line(tmp_path, capsys, case):
+    from tfgpt import convert
+
+    run = _run_directory(tmp_path / "run", {"lora_rank": 0 if case == "plain run" else 2})
+    base = {"hub name": "gpt2", "an encoder base": _run_directory(tmp_path / "bert",
+                                                                   model_type="bert")}.get(case)
+    flags = (["--base-model", base] if base else []) + (
+        ["--model-type", "gpt3"] if case == "an unknown type" else [])
+    assert convert.main(["to-peft", run, str(tmp_path / "out"), *flags]) == 2
+    error = capsys.readouterr().err
+    assert error == (f"python -m tfgpt.convert to-peft: error: "
+                     f"{TO_PEFT_ERRORS[case].format(run=run, base=base)}\n")
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("case", ["llama-gqa", "neox-parallel", "gptj-partial-interleaved",

@@ -224,6 +224,16 @@ GPTJ_DATA = {"dp2-gptj": ["--gptj", "--tensor", "1"],
 FLOAT16 = ["--overflow-step", "2", "--clip", "0.5"]
 
 
+# Packed instruction rows (`prepare --pack`'s: several examples to a row, `segment_ids`)
+# under --task sft's loss, 3 steps; (ranks, tensor, flags), 0 ranks: one process.
+PACKED = ["--packed", "--steps", "3"]
+PACKED_CASES = {
+    "towers2-packed": (0, 1, ["--towers", "2"]),  # data parallel over towers in one process
+    "tp2-packed": (2, 2, []),
+    "zero3-towers2-packed": (2, 1, ["--zero-stage", "3", "--towers", "2"]),
+}
+
+
 @pytest.fixture(scope="module")
 def tensor_runs(tmp_path_factory):
     """The one-process oracles, `CASES` and the first dropout run: one
@@ -235,14 +245,20 @@ def tensor_runs(tmp_path_factory):
                                                  ("one-gptj", "--gptj"),
                                                  ("one-lora", "--lora", "2", "--clip", "0.5"),
                                                  ("one-lora-llama", "--lora", "2", "--llama"),
-                                                 ("one-float16", *FLOAT16)])
+                                                 ("one-float16", *FLOAT16),
+                                                 ("one-packed", *PACKED),
+                                                 *[(tag, *PACKED, *flags)
+                                                   for tag, (size, _, flags)
+                                                   in PACKED_CASES.items() if size == 0]])
     for ranks in (2, 4):
         runs.update(run_each(TRAIN_SCRIPT, directory, ranks, [
             *[(tag, "--tensor", "2", *flags)
               for tag, (size, flags) in {**CASES, **LORA_CASES}.items() if size == ranks],
             *([("dropout-first", "--dropout", "0.2")] if ranks == 2 else []),
             *([(tag, *flags) for tag, flags in GPTJ_DATA.items()] if ranks == 2 else []),
-            *([("tp2-float16", "--tensor", "2", *FLOAT16)] if ranks == 2 else [])]))
+            *([("tp2-float16", "--tensor", "2", *FLOAT16)] if ranks == 2 else []),
+            *[(tag, *PACKED, "--tensor", tensor, *flags)
+              for tag, (size, tensor, flags) in PACKED_CASES.items() if size == ranks]]))
     return runs
 
 
@@ -316,6 +332,26 @@ def test_gptj_shape_under_data_parallelism_and_zero_3_matches_one_process(tensor
             for index in range(_count(oracle)):
                 np.testing.assert_allclose(result[f"weight_{index}"], oracle[f"weight_{index}"],
                                            rtol=0, atol=1e-5, err_msg=f"{tag}, rank {rank}")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_packed_sft_batches_under_tensor_parallel_zero_3_and_towers_match_one_process(
+        tensor_runs):
+    # Each example attends within itself, its positions from 0, and the loss is the mean
+    # over the global batch's learned tokens: a rank that dropped the segment ids, or a
+    # tower or replica that averaged its own mean, would part from the one process.
+    oracle = tensor_runs["one-packed"][0]
+    assert len(oracle["losses"]) == 3
+    assert not np.allclose(oracle["losses"][0], oracle["losses"][-1])  # it trained
+    for tag, (ranks, tensor, _) in PACKED_CASES.items():
+        results = tensor_runs[tag]
+        assert len(results) == max(ranks, 1)
+        for rank, result in enumerate(results):
+            for key in ("losses", "norms"):
+                np.testing.assert_allclose(result[key], oracle[key], rtol=0, atol=1e-5,
+                                           err_msg=f"{tag}, rank {rank}")
+        _assert_slices_join_to(results, tensor, oracle, atol=1e-5)
 
 
 @pytest.mark.distributed

@@ -196,9 +196,33 @@ def test_workers_added_train_from_the_same_state(tiny_data, tmp_path):
     aborted such a pair) or a hang (the two workers started beside others
     run one tower where the first two run two, and named their gradient
     buckets otherwise: `tfgpt.parallel.horovod_bridge`); each sequence of
-    the global order is used once."""
+    the global order is used once. The run trains `--lora-rank 4` adapters
+    on a frozen `--init` base: the adapters too are every rank's alike at
+    every step, its checkpoints hold them alone, and the base stays the
+    init's, bit for bit."""
+    from dataclasses import asdict
+
+    from pipelines.tokenizer import Tokenizer
+    from tfgpt import GPT
+    from tfgpt.checkpoint.files import Reader, latest
+    from tfgpt.config import GPTConfig
+    from tfgpt.loading import save_model
+    from tfgpt.models.adapters import (
+        adapted_layers,
+        adapter_variables,
+        add_run_adapters,
+        base_keys,
+        load_adapters,
+    )
+
     steps, enough = 32, 4
     records = tmp_path / "records"
+    width = ["--hidden-dim", "384", "--num-heads", "6", "--intermediate-dim", "1536"]
+    base_config = GPTConfig(vocabulary_size=reader.load_manifest(str(tiny_data))["tokenizer"][
+        "vocabulary_size"], num_layers=2, num_heads=6, hidden_dim=384, intermediate_dim=1536,
+        max_sequence_length=16)
+    base = GPT(**asdict(base_config))
+    save_model(tmp_path / "base", base, Tokenizer.load(str(tiny_data / "tokenizer.model")))
 
     def steps_at(size):
         return {step for _, step, world, _, _, _ in record_log_lines(records) if world == size}
@@ -215,8 +239,8 @@ def test_workers_added_train_from_the_same_state(tiny_data, tmp_path):
 
     code, output = elastic_horovodrun(
         tmp_path, *elastic_flags(tiny_data, tmp_path / "run", "--steps", steps, "--commit-every",
-                                 "2", "--log-every", "5", "--hidden-dim", "384", "--num-heads", "6",
-                                 "--intermediate-dim", "1536"),
+                                 "2", "--log-every", "5", *width, "--init", tmp_path / "base",
+                                 "--lora-rank", "4"),
         on_poll=grow, slots={"localhost": 1}, max_slots=4,
         env={faults.RECORD_LOG: str(records), faults.SLOW_COMPUTE: "0:0.2"})
     assert code == 0, output
@@ -228,6 +252,21 @@ def test_workers_added_train_from_the_same_state(tiny_data, tmp_path):
     assert sizes == sorted(sizes) and sizes[-1] == 4, sizes
     assert sizes.count(2) >= enough and sizes.count(4) >= enough, sizes
     assert_each_sequence_once(steps_logged, tiny_data)
+
+    # The checkpoint holds the adapters alone and names the base; read back onto it,
+    # the base weights are the init's, bit for bit, and the adapters trained.
+    run_config = json.loads((tmp_path / "run" / "config.json").read_text())
+    adapted = GPT(**asdict(base_config))
+    add_run_adapters(adapted, run_config["train"])
+    load_adapters(str(tmp_path / "run"), adapted)
+    checkpoint = Reader(latest(str(tmp_path / "run")))
+    assert checkpoint.index["base"]["run"] == str(tmp_path / "base")
+    assert not set(checkpoint.keys) & base_keys(adapted)
+    adapters = {id(variable) for variable in adapter_variables(adapted)}
+    assert len(adapters) == 2 * 2 * 2  # A and B of 2 projections (the defaults) in 2 blocks
+    for mine, theirs in zip([v for v in adapted.weights if id(v) not in adapters], base.weights):
+        np.testing.assert_array_equal(mine.numpy(), theirs.numpy(), err_msg=mine.path)
+    assert all(np.abs(layer.adapter_b.numpy()).max() > 0 for layer in adapted_layers(adapted))
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -36,7 +36,7 @@ from tfgpt.tokenizers.byte_pair_tokenizer import TOKENIZER_JSON_FILE, BytePairTo
 from tfgpt.tokenizers.tokenizer_json import TOKENIZER_CONFIG_FILE
 
 
-def load_model(directory, dtype=None):
+def load_model(directory, dtype=None, merge_adapters=True):
     """Returns `(model, tokenizer)` restored from `directory`.
 
     Args:
@@ -44,10 +44,13 @@ def load_model(directory, dtype=None):
             Llama, Mistral or Qwen2 checkpoint directory.
         dtype: optional Keras dtype policy for the model, e.g.
             `"mixed_bfloat16"`; float32 by default.
+        merge_adapters: bool. Fold a run's adapters into its kernels; False
+            keeps them as they trained (`tfgpt.models.adapters`).
 
     Returns:
         The GPT with its weights (a run that trained `--lora-rank` adapters:
-        with them folded into its kernels, `merged`), and the tokenizer (`pipelines.tokenizer.
+        with them folded into its kernels, `merged`, unless `merge_adapters`
+        is False), and the tokenizer (`pipelines.tokenizer.
         Tokenizer` or `BytePairTokenizer`); for a tfgpt run directory, None
         when it has no tokenizer file. A Hugging Face directory without one
         is a ValueError (`load_hf_tokenizer`).
@@ -74,7 +77,7 @@ def load_model(directory, dtype=None):
         check_tokenizer_matches_model(tokenizer, model)
     if add_run_adapters(model, config.get("train") or {}):  # trained adapters: folded in
         load_adapters(directory, model)
-        return merged(model), tokenizer
+        return (merged(model) if merge_adapters else model), tokenizer
     load_weights(directory, model)
     return model, tokenizer
 

@@ -21,11 +21,14 @@ gated MLP. With `--overflow-step K` the run is in float16 with loss
 scaling, and at step K (from 0) the first rank's slice of the first
 feed-forward kernel gets an infinite gradient (one process: the whole
 kernel); the file then also holds `iterations`, the updates the optimizer
-applied.
+applied. With `--packed` the global batches are packed instruction rows
+(`prepare --pack`'s: several examples to a row, `segment_ids`, learned
+flags) trained with `--task sft`'s loss, a weighted mean over the global
+batch's learned tokens; `--towers K` cuts each rank's rows into K towers.
 
 Usage: tensor_parallel_train.py OUT TAG [--tensor T] [--global] [--clip C]
 [--dropout P] [--untied] [--steps K] [--zero-stage S] [--lora R] [--llama]
-[--overflow-step K]
+[--overflow-step K] [--packed] [--towers K]
 """
 
 import argparse
@@ -41,6 +44,7 @@ from tfgpt.models.adapters import TARGETS, adapted_layers, add_adapters
 from tfgpt.optim.optimizers import make_optimizer
 from tfgpt.parallel.tensor_parallel import split_rule, split_rules, take_slice
 from tfgpt.parallel.zero import slot_variables
+from tfgpt.training.objectives import InstructionTuning
 from tfgpt.training.train_step import TrainStep, causal_lm_loss
 
 VOCABULARY = 38
@@ -48,10 +52,32 @@ GLOBAL_ROWS = 4
 LENGTH = 7
 
 
-def batches_of(index, count, steps):
-    """Data replica `index` of `count`'s rows of the `steps` global batches."""
+def packed_rows(rng):
+    """A global batch of packed rows `(inputs, targets, weights, segment_ids)`, as
+    `make_instruction_dataset` reads `prepare --pack`'s records: examples of 2 to 5
+    tokens one after another (segments 1, 2, ...), then padding (segment 0); each
+    example a prompt of 1 to 3 tokens and its completion, whose tokens alone are
+    learned."""
+    ids = rng.integers(2, VOCABULARY, (GLOBAL_ROWS, LENGTH + 1))
+    segments = np.zeros((GLOBAL_ROWS, LENGTH + 1), "int32")
+    learned = np.zeros((GLOBAL_ROWS, LENGTH + 1), "float32")
+    for row in range(GLOBAL_ROWS):
+        start, example = 0, 1
+        while (length := int(rng.integers(2, 6))) <= LENGTH + 1 - start:
+            segments[row, start:start + length] = example
+            learned[row, start + int(rng.integers(1, length)):start + length] = 1
+            start, example = start + length, example + 1
+    return (ids[:, :-1].astype("int32"), ids[:, 1:].astype("int32"), learned[:, 1:],
+            segments[:, :-1])
+
+
+def batches_of(index, count, steps, packed=False):
+    """Data replica `index` of `count`'s rows of the `steps` global batches
+    (`packed`: of `packed_rows`)."""
     rng = np.random.default_rng(1000)
     rows = slice(index * GLOBAL_ROWS // count, (index + 1) * GLOBAL_ROWS // count)
+    if packed:
+        return [tuple(part[rows] for part in packed_rows(rng)) for _ in range(steps)]
     return [
         tuple(rng.integers(0, VOCABULARY, (GLOBAL_ROWS, LENGTH)).astype("int32")[rows]
               for _ in range(2))
@@ -79,6 +105,8 @@ def main(argv=None):
     parser.add_argument("--llama", action="store_true",
                         help="Llama's switches: grouped-query attention, a gated SiLU MLP, "
                              "RMS norms, rotary positions, an untied head")
+    parser.add_argument("--packed", action="store_true")
+    parser.add_argument("--towers", type=int, default=1)
     args = parser.parse_args(argv)
 
     if args.global_batch:
@@ -132,17 +160,21 @@ def main(argv=None):
     [kernel] = [v for v in model.weights  # (frozen under --lora)
                 if v.path.endswith("block_0/feedforward_intermediate/kernel")]
 
+    task = InstructionTuning() if args.packed else None
+    task_loss = task.loss if task else causal_lm_loss
+
     def loss_fn(model, batch, training):
-        loss, metrics = causal_lm_loss(model, batch, training)
+        loss, metrics = task_loss(model, batch, training)
         # A forced float16 overflow in the first rank's slice alone: every rank must skip.
         blow_up = tf.logical_and(overflow, distribution.rank == 0)
         return loss + tf.where(blow_up, np.inf, 0.0) * tf.reduce_sum(tf.square(kernel)), metrics
 
-    step = TrainStep(model, optimizer, distribution, zero=zero,
-                     loss_fn=loss_fn if args.overflow_step >= 0 else causal_lm_loss)
+    step = TrainStep(model, optimizer, distribution, zero=zero, towers=args.towers,
+                     loss_fn=loss_fn if args.overflow_step >= 0 else task_loss,
+                     token_weights=task.token_weights if task else None)
     index, count = distribution.data_shard()
     losses, norms = [], []
-    for number, batch in enumerate(batches_of(index, count, args.steps)):
+    for number, batch in enumerate(batches_of(index, count, args.steps, args.packed)):
         overflow.assign(number == args.overflow_step)
         metrics = step(batch)
         losses.append(float(distribution.allreduce_mean(metrics["loss"])))
