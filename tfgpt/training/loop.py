@@ -284,8 +284,9 @@ class RunPart:
         self.sharding = shard_state(model, optimizer, distribution,
                                     self.trained.trainable_variables)
         # An adapter run's frozen base: its checkpoints name it instead of holding it.
-        self.base = (AdapterBase(lambda: self._entries(only=base_keys(self.model)))
-                     if adapter_variables(model) else None)
+        if adapter_variables(model):
+            base = base_keys(model)
+            self.base = AdapterBase(lambda: self._entries(only=base), base)
 
     @property
     def trained(self):
