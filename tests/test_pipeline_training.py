@@ -238,7 +238,8 @@ def test_pipeline_sft_and_adapters_train_as_one_process_and_resume_bitwise(tiny_
     for name in ("sft", "lora"):
         assert train_losses(runs[name])[1] == pytest.approx(losses[learned].mean(), abs=1e-5)
 
-    # Full fine-tuning (GPipe): losses, validation loss and every weight as one process's.
+    # Both runs log one process's losses and validation loss; the full fine-tuning
+    # (GPipe) ends with its weights.
     for name, metrics, steps in (("sft", one_sft_metrics, 3), ("lora", one_lora_metrics, 4)):
         expected, got = train_losses(tmp_path / f"one-{name}"), train_losses(runs[name])
         assert sorted(got) == list(range(1, steps + 1))

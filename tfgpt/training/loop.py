@@ -158,7 +158,8 @@ def release_in_background(*objects):
 
 
 def kernel_summary(config, distribution, model):
-    """The start-up line naming the fused CPU kernels this run's steps use, and why not the others."""
+    """The start-up line naming the fused CPU kernels this run's steps use, and why not the
+    others."""
     backbone = getattr(model, "backbone", model)  # fine-tuning: a head on a backbone
     reasons = None
     if isinstance(backbone, GPT):
@@ -455,7 +456,8 @@ def run_loop(config, distribution, report, *, model, optimizer, step, train_step
     host = monitor.HostSampler(gpu_index=getattr(distribution, "local_rank", 0))
     rules = None
     if config.monitor_rules == "on":
-        rules = monitor.Rules(monitor.hostnames(distribution), pipeline=distribution.state.pipelined)
+        rules = monitor.Rules(monitor.hostnames(distribution),
+                              pipeline=distribution.state.pipelined)
     profiler = StepProfiler(
         config.profile_range(), os.path.join(config.out, "profile"), distribution.is_chief
     )
