@@ -295,6 +295,13 @@ def train_losses(run_dir):
     return {r["step"]: r["loss"] for r in records if r["split"] == "train"}
 
 
+def validation_loss(run_dir):
+    """The validation loss a run logged at its end, from its metrics.jsonl."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    [loss] = [r["loss"] for r in records if r["split"] == "val"]
+    return loss
+
+
 def assert_same_train_losses(reference, others, steps, tolerance):
     """The run `reference` logged a training loss at each of the steps 1 to
     `steps`, and each run of `others` the same losses within `tolerance`.

@@ -82,6 +82,41 @@ def test_stage_variables_cover_the_model_once_but_the_tied_table():
     assert held.count(table) == 2  # the first stage's and the last stage's copy
     assert sorted(set(held)) == sorted(id(v) for v in model.trainable_variables)
     assert len(held) == len(model.trainable_variables) + 1
+    # Under adapters the stages train each adapter once, and the frozen table not at all.
+    from tfgpt.models.adapters import adapter_variables, add_adapters
+
+    add_adapters(model, rank=2)
+    stages = [PipelineStage(model, schedule, rank) for rank in range(2)]
+    held = [id(v) for stage in stages for v in stage.trainable_variables]
+    assert sorted(held) == sorted(id(v) for v in adapter_variables(model))
+    assert not any(stage.trains_table for stage in stages)
+
+
+@pytest.mark.parametrize("positions", ["learned", "rotary"])
+def test_the_stages_in_turn_give_the_models_weighted_loss_of_packed_rows(positions):
+    # Oracle: the whole model's loss with the same segments and weights.
+    import keras
+
+    from tfgpt import GPT
+    from tfgpt.parallel.pipeline_schedule import PipelineSchedule
+    from tfgpt.parallel.pipeline_stage import PipelineStage
+    from tfgpt.training.train_step import cross_entropy
+
+    keras.utils.set_random_seed(2)
+    model = GPT(vocabulary_size=37, num_layers=3, num_heads=2, hidden_dim=8,
+                intermediate_dim=12, max_sequence_length=7, dropout=0.0, positions=positions)
+    first, last = (PipelineStage(model, PipelineSchedule("1f1b", 2, 2), rank) for rank in (0, 1))
+    rng = np.random.default_rng(0)
+    inputs, targets = (rng.integers(0, 37, (2, 7)).astype("int32") for _ in range(2))
+    segments = np.array([[1, 1, 1, 2, 2, 0, 0], [1, 1, 2, 2, 2, 2, 3]], "int32")
+    weights = np.array([[1, 1, 0, 1, 1, 0, 0], [0, 1, 1, 1, 0, 1, 1]], "float32")  # 0: padding
+    expected = cross_entropy(targets, model(inputs, segment_ids=segments), weights)
+    got = last.forward(1, first.forward(0, inputs, segment_ids=segments), targets, weights,
+                       segments)
+    np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=0, atol=1e-6)
+    # Without the segments the rows are one example each: another loss.
+    unpacked = last.forward(1, first.forward(0, inputs), targets, weights)
+    assert abs(float(unpacked) - float(expected)) > 1e-4
 
 
 @pytest.mark.parametrize("tied", [True, False])

@@ -35,11 +35,6 @@ CASES = [
                                     "use --zero-stage 1"),
     (Run(tensor=2, zero_stage=2), "--tensor-parallel 2 does not combine with --zero-stage 2: "
                                   "use --zero-stage 1"),
-    (Run(pipeline=2, config=_config(task="sft")),
-     "--pipeline-parallel 2 runs an unweighted loss through its stages; --task sft"),
-    (Run(pipeline=2, config=_config(lora_rank=4)),
-     "--lora-rank 4 trains adapters on the whole model or its tensor slices, not on pipeline "
-     "stages: use it with --pipeline-parallel 1"),
     (Run(command="fit", zero_stage=2), "model.fit averages whole gradients on every worker; "
                                        "--zero-stage 2 (sharded state) needs train_hvd.py"),
     (Run(command="finetuning", tensor=2), "--tensor-parallel 2 splits GPT pretraining "
@@ -47,7 +42,8 @@ CASES = [
     (Run(command="finetuning", pipeline=2), "--pipeline-parallel 2 cuts a GPT for pretraining"),
     (Run(tensor=2, family="albert", config=_config(preset="albert-demo")),
      "--tensor-parallel 2 splits GPT models only; --preset albert-demo is a albert model"),
-    (Run(tensor=2, config=_config(xla=True)), "--tensor-parallel 2 does not combine with --xla yet"),
+    (Run(tensor=2, config=_config(xla=True)),
+     "--tensor-parallel 2 does not combine with --xla yet"),
     (Run(zero_stage=3, config=_config(xla=True)), "--xla cannot compile a --zero-stage 3 step"),
     (Run(tensor=2, config=_config(optimizer="lamb")),
      "--tensor-parallel 2 does not combine with --optimizer lamb yet"),
@@ -85,7 +81,8 @@ def test_every_row_of_the_table_is_reached_by_a_case_and_what_fits_passes():
                 Run(tensor=2, pipeline=2, family="gpt", config=_config(mixed_precision="float16")),
                 Run(zero_stage=2, config=_config(optimizer="lamb", xla=True)),
                 Run(elastic=True), Run(command="finetuning", zero_stage=3),
-                Run(tensor=2, zero_stage=1, config=_config(lora_rank=4))):
+                Run(tensor=2, zero_stage=1, config=_config(lora_rank=4)),
+                Run(pipeline=2, family="gpt", config=_config(task="sft", lora_rank=4))):
         check(run)
 
 

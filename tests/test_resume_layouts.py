@@ -35,7 +35,7 @@ import shutil
 import numpy as np
 import pytest
 
-from tests.launch import REPO, launch_each, train_losses
+from tests.launch import REPO, launch_each, train_losses, validation_loss
 
 CLIP = 1.0  # below every step's gradient norm here: clipping acts at each step
 FLAGS = [
@@ -123,12 +123,6 @@ def test_each_layout_resumes_another_layouts_checkpoint_with_the_uninterrupted_l
     # The ranks of a tensor group validate on one batch (their first rank's),
     # and a pipeline through its stages, each rank holding its own: the same
     # loss as one process on the same model and batches.
-    def validation_loss(run_dir):
-        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-        records = [json.loads(line) for line in lines]
-        [loss] = [record["loss"] for record in records if record["split"] == "val"]
-        return loss
-
     for run in ("tp2", "pp2", "pp2-on-one", "dp2-on-pp2-interleaved"):
         assert validation_loss(tmp_path / run) == pytest.approx(
             validation_loss(tmp_path / "one"), abs=1e-5), run

@@ -89,18 +89,26 @@ def _assert_alone_matches(results, oracle):
 def test_pipeline_with_zero_1_matches_one_process(tmp_path):
     script = HVD_SCRIPTS / "pipeline_check.py"
     flags = ["--clip", "0.3", "--rows", "16"]
-    oracles = run_each(script, tmp_path, 0, [("one", *flags), ("one-alone",)])
+    oracles = run_each(script, tmp_path, 0, [("one", *flags), ("one-weighted", *flags,
+                                                                   "--weighted"), ("one-alone",)])
     oracle = oracles["one"][0]
     assert oracle["norms"].max() > 0.3  # clipping acted: the norm must be over every stage
-    results = run_and_load(script, tmp_path, "pp2-dp2", 4, "--stages", "2", "--schedule", "1f1b",
-                           "--microbatches", "4", "--zero-stage", "1", *flags)
-    expected = saved_weights(oracle)
-    for rank, result in enumerate(results):
-        for index, got in held_weights(result).items():  # its stage's alone
-            np.testing.assert_allclose(got, expected[index], rtol=0, atol=1e-5,
-                                       err_msg=f"rank {rank}, weight {index}")
-        np.testing.assert_allclose(result["losses"], oracle["losses"], rtol=0, atol=1e-5)
-        np.testing.assert_allclose(result["norms"], oracle["norms"], rtol=0, atol=1e-5)
+    # And --task sft's weighted loss: each replica's micro-batches hold unequal
+    # numbers of learned tokens, normalised by the global batch's.
+    pipelined = ["--stages", "2", "--schedule", "1f1b", "--microbatches", "4", "--zero-stage",
+                 "1", *flags]
+    runs = run_each(script, tmp_path, 4, [("pp2-dp2", *pipelined),
+                                          ("pp2-dp2-weighted", *pipelined, "--weighted")])
+    results = runs["pp2-dp2"]
+    for tag in ("", "-weighted"):
+        expected = saved_weights(oracles[f"one{tag}"][0])
+        for rank, result in enumerate(runs[f"pp2-dp2{tag}"]):
+            for index, got in held_weights(result).items():  # its stage's alone
+                np.testing.assert_allclose(got, expected[index], rtol=0, atol=1e-5,
+                                           err_msg=f"{tag} rank {rank}, weight {index}")
+            for kind in ("losses", "norms"):
+                np.testing.assert_allclose(result[kind], oracles[f"one{tag}"][0][kind], rtol=0,
+                                           atol=1e-5, err_msg=f"{tag} {kind}")
     assert set(held_weights(results[0])) | set(held_weights(results[1])) == set(
         range(len(expected)))
     # Ranks 0, 1 are pipeline 0's stages, ranks 2, 3 pipeline 1's.

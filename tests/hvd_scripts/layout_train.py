@@ -6,7 +6,8 @@ Trains with TRAIN_FLAGS (their `--out` is the run's directory: its
 metrics.jsonl has the losses) and writes OUT/TAG-rank-R.npz: for each
 trained variable this rank holds, by its path below the model (`weight/PATH`),
 its value as float32, for a tensor slice its split rule (`rule/PATH`), and
-in one process its value before the first step (`initial/PATH`).
+in one process its value before the first step (`initial/PATH`); and each
+frozen weight it holds (an adapter run's base) as `frozen/PATH`, as it is.
 A pipeline rank holds its stage's variables (the tied table on both ends);
 under ZeRO stage 3 every rank gathers the whole weights from the shards.
 """
@@ -59,7 +60,9 @@ def main(argv):
     else:
         values = [variable.value for variable in variables]
     rules = split_rules(part.model)
-    arrays = {}
+    held = part.stage.held_variables if part.stage is not None else part.model.variables
+    arrays = {f"frozen/{v.path.split('/', 1)[1]}": v.numpy() for v in held
+              if part.base is not None and not v.trainable and "seed_generator" not in v.path}
     for index, (variable, value) in enumerate(zip(variables, values)):
         path = variable.path.split("/", 1)[1]  # below the model's own name (gpt, gpt_1, ...)
         arrays[f"weight/{path}"] = np.asarray(value, np.float32)

@@ -23,12 +23,17 @@ tensor): the weights are this rank's slices, with their split rules
 (loss scaling) and `--overflow-step K`, at step K (from 0) the first
 stage's gradients alone are made infinite (one process: all of them), and
 the file also holds `iterations`, the updates the optimizer applied.
+With `--weighted` each batch also holds token weights (0 or 1, each row
+learning a different share of its tokens, so micro-batches and replicas
+hold unequal numbers of learned tokens), `--task sft`'s batches: the loss
+is the weighted mean over the global batch's learned tokens
+(`objectives.InstructionTuning`).
 
 Usage: pipeline_check.py OUT TAG [--global] [--schedule gpipe|1f1b|interleaved]
 [--microbatches M] [--stages P] [--virtual-stages V] [--partition uniform|balanced]
 [--clip C] [--dropout R] [--untied] [--layers L] [--die-at-step K]
 [--precision off|bfloat16|float16] [--overflow-step K] [--zero-stage S] [--rows R]
-[--tensor T] [--vocabulary V] [--recompute]
+[--tensor T] [--vocabulary V] [--recompute] [--weighted]
 """
 
 import argparse
@@ -54,10 +59,14 @@ ROWS = 12
 LENGTH = 7
 
 
-def batches(rows=ROWS, vocabulary=VOCABULARY):
+def batches(rows=ROWS, vocabulary=VOCABULARY, weighted=False):
     rng = np.random.default_rng(1000)
-    return [tuple(rng.integers(0, vocabulary, (rows, LENGTH)).astype("int32") for _ in range(2))
+    data = [tuple(rng.integers(0, vocabulary, (rows, LENGTH)).astype("int32") for _ in range(2))
             for _ in range(STEPS)]
+    if not weighted:
+        return data
+    shares = np.linspace(0.1, 0.9, rows)[:, np.newaxis]  # (rows, 1): row r learns about this
+    return [(*batch, (rng.random((rows, LENGTH)) < shares).astype("float32")) for batch in data]
 
 
 def main(argv=None):
@@ -85,6 +94,7 @@ def main(argv=None):
     parser.add_argument("--rows", type=int, default=ROWS)
     parser.add_argument("--tensor", type=int, default=1)
     parser.add_argument("--vocabulary", type=int, default=VOCABULARY)
+    parser.add_argument("--weighted", action="store_true")
     args = parser.parse_args(argv)
 
     if not args.global_batch:
@@ -120,13 +130,16 @@ def main(argv=None):
     set_recompute(model, args.recompute)
     optimizer = make_optimizer(config, 1, steps=STEPS)
     rank = 0
-    data = batches(args.rows, args.vocabulary)
+    data = batches(args.rows, args.vocabulary, args.weighted)
     if args.global_batch:
         from tfgpt.parallel.local import LocalDistribution
+        from tfgpt.training.objectives import InstructionTuning
         from tfgpt.training.train_step import TrainStep
 
         optimizer.build(model.trainable_variables)
-        step = TrainStep(model, optimizer, LocalDistribution())
+        weighted = dict(loss_fn=InstructionTuning().loss,
+                        token_weights=InstructionTuning.token_weights) if args.weighted else {}
+        step = TrainStep(model, optimizer, LocalDistribution(), **weighted)
         variables = model.trainable_variables
     else:
         from tfgpt.parallel.pipeline_executor import PipelineTrainStep
@@ -153,7 +166,7 @@ def main(argv=None):
         # Each pipeline (data-parallel replica) trains on its rows of the batch.
         rows = slice(state.data_index * args.rows // state.data,
                      (state.data_index + 1) * args.rows // state.data)
-        data = [(inputs[rows], targets[rows]) for inputs, targets in data]
+        data = [tuple(part[rows] for part in batch) for batch in data]
     overflow = tf.Variable(False)
 
     def blown_up(gradients):

@@ -15,7 +15,8 @@ checkpoint of the whole model (`open_checkpoint`), and is then the base's
 The fingerprint is a sha256 over the base tensors as global tensors (key,
 dtype, shape and bytes, keys in order), read from the base checkpoint, so
 it does not depend on the layout that wrote the base nor on the one that
-reads it.
+reads it: it covers the whole model's base, also on a pipeline rank that
+holds one stage of it.
 """
 
 import hashlib
@@ -48,17 +49,17 @@ def open_checkpoint(path):
     return Reader(path)
 
 
-def read_base(path, entries, fingerprint=True):
-    """Reads `entries` (`tfgpt.checkpoint.state.Entry`, the weights this rank
-    holds) from the checkpoint `path` (`open_checkpoint`); returns the
-    fingerprint of the base (all the keys `entries` name, whole), or None
-    without `fingerprint`."""
+def read_base(path, entries, keys=None):
+    """Reads `entries` (`tfgpt.checkpoint.state.Entry`, the base weights this
+    rank holds) from the checkpoint `path` (`open_checkpoint`); returns the
+    fingerprint of the base: of the tensors `keys` (the whole model's base),
+    whole; None without `keys`."""
     reader = open_checkpoint(path)
     try:
         for entry in entries:
             entry.variable.assign(reader.part(entry.key, entry.shape, entry.split, entry.tensor,
                                               entry.rows and entry.rows[:2]))
-        return _digest(reader, {entry.key for entry in entries}) if fingerprint else None
+        return _digest(reader, keys) if keys is not None else None
     finally:
         reader.close()
 
@@ -86,21 +87,24 @@ class AdapterBase:
 
     Args:
         entries: callable `()` -> `[Entry]` of the base weights this rank holds.
+        keys: set of str. The keys of the whole model's base weights, which
+            the fingerprint covers (`tfgpt.models.adapters.base_keys`).
 
     Attributes:
         reference: dict `{"run", "checkpoint", "sha256"}` once the base is
             loaded (`initialize_from` or `restore`), else None.
     """
 
-    def __init__(self, entries):
+    def __init__(self, entries, keys):
         self.entries = entries
+        self.keys = keys
         self.reference = None
 
     def initialize_from(self, directory):
         """Loads the base from the latest checkpoint of the run `directory`
         (`--init`); returns that checkpoint's path."""
         path = whole_model_checkpoint(directory)
-        sha = read_base(path, self.entries())
+        sha = read_base(path, self.entries(), self.keys)
         self.reference = {"run": os.path.abspath(directory), "checkpoint": os.path.abspath(path),
                           "sha256": sha}
         return path
@@ -118,7 +122,7 @@ class AdapterBase:
                              "which is missing: restore that checkpoint of "
                              f"{reference['run']} or merge the adapters where it exists")
         try:
-            sha = read_base(base, self.entries())
+            sha = read_base(base, self.entries(), self.keys)
         except ValueError as error:  # a key or a shape it lacks: another model
             raise ValueError(f"the adapters of {adapters} do not fit the base {base}: "
                              f"{error}") from None

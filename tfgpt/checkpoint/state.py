@@ -138,7 +138,7 @@ def run_entries(model, optimizer, coordinates, sharding, *, tensor_slice=WHOLE, 
         shape[rule[0]] *= tensor_slice.size
         return tuple(shape), tuple(rule), (tensor_slice.size, tensor_slice.index)
 
-    def trains(variable):  # the stage that writes it (the tied table: the first stage)
+    def stage_writes(variable):  # the stage that writes it (the tied table: the first stage)
         return stage is None or not (stage.tied and variable is stage.table
                                      and not stage.holds_first)
 
@@ -147,7 +147,7 @@ def run_entries(model, optimizer, coordinates, sharding, *, tensor_slice=WHOLE, 
     for index, variable in enumerate(trained):
         shape, split, tensor = region(variable)
         holder, rows, writes = sharding.held(index, data_index)
-        writes = writes and trains(variable) and (split is not None or tensor_index == 0)
+        writes = writes and stage_writes(variable) and (split is not None or tensor_index == 0)
         key = relative_key(variable, names)
         entries.append(Entry(key, holder, shape, split, tensor, rows, writes))
         entries += [Entry(f"{key}/{name}", moments[index], shape, split, tensor, rows, writes)
@@ -173,10 +173,12 @@ def run_entries(model, optimizer, coordinates, sharding, *, tensor_slice=WHOLE, 
     for variable in model.variables:
         if id(variable) in covered or not allocated(variable):
             continue
-        # A statistic not trained (the first replica's first slice writes it), or,
+        # A weight not trained, a statistic or an adapter run's frozen base (the
+        # first replica's first slice of the stage that holds it writes it), or,
         # in a pipelined model allocated whole, another stage's weights (read).
         shape, split, tensor = region(variable)
         entries.append(Entry(relative_key(variable, names), variable, shape, split, tensor,
                              writes=not variable.trainable and data_index == 0
-                             and tensor_index == 0 and (held is None or id(variable) in held)))
+                             and tensor_index == 0 and (held is None or id(variable) in held)
+                             and stage_writes(variable)))
     return entries

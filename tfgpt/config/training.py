@@ -250,7 +250,8 @@ class TrainConfig(RunConfig):
         lora_rank: int. Above 0: freeze the model and train low-rank adapters
             of this rank on the projections `lora_targets` names
             (`tfgpt.models.adapters`); the optimizer holds state for them
-            alone. GPT models, without tensor or pipeline parallelism.
+            alone. GPT models, on every layout (a pipeline's stages each train
+            their own blocks' adapters).
         lora_alpha: float. The adapters' scale is `lora_alpha / lora_rank`.
         lora_dropout: float. Dropout on the adapters' input.
         lora_targets: str. Comma-separated projection names (`query_key_value`,

@@ -128,7 +128,7 @@ def load_adapters(directory, model):
         return load_weights(directory, model)
     base = base_keys(model)
     entries = model_entries(model)
-    AdapterBase(lambda: [e for e in entries if e.key in base]).restore(reference, path)
+    AdapterBase(lambda: [e for e in entries if e.key in base], base).restore(reference, path)
     return load_parts(directory, [entry for entry in entries if entry.key not in base])
 
 

@@ -42,10 +42,17 @@ from tfgpt.training.train_step import STEP_TIMES, _dense, _loss_scale
 class PipelineTrainStep:
     """Forward and backward passes by the schedule, one optimizer update per step.
 
-    The batch (B, T) of inputs and of targets, the same on every rank of
-    the pipeline, is cut into `microbatches` micro-batches of B / M rows.
-    The loss is the mean of the micro-batches' losses, so the gradients
-    are those of the whole batch at once: accumulated over the
+    The batch, the same on every rank of the pipeline, is `(inputs,
+    targets)` (B, T) each, or instruction records' `(inputs, targets,
+    weights[, segment_ids])` (`--task sft`: `pipelines.instruction_data`);
+    it is cut into `microbatches` micro-batches of B / M rows. Each
+    micro-batch's loss counts by its share of the step's loss: 1 / M of a
+    mean over tokens, so that the gradients are those of the whole batch
+    at once; of a loss weighted per token, its weight total over the global
+    batch's (summed over the data replicas) times the replicas, so that
+    the replicas' average is the weighted mean over every learned token of
+    the global batch, not a mean of the micro-batches' means (as
+    `TrainStep`'s `token_weights`). The gradients are accumulated over the
     micro-batches, then (tied embeddings) the first and the last stage add
     each other's token-table gradients, then, with data parallelism,
     averaged over the replicas of the stage. The gradient norm is the
@@ -77,8 +84,9 @@ class PipelineTrainStep:
             tick's computation, and `loop_time`, that of all the ticks
             (`time.perf_counter()` seconds; `bench/pipeline_schedules.py`).
 
-    Calling it with `(inputs, targets)` returns `loss` (the batch's mean
-    loss, on every rank), `gradient_norm` and `STEP_TIMES`
+    Calling it with a batch returns `loss` (the batch's loss, on every
+    rank: its mean, or its share of the global weighted mean; the
+    replicas' average is the global batch's loss), `gradient_norm` and `STEP_TIMES`
     (`tfgpt.training.train_step`): the seconds of this rank's ticks'
     computation, and of its waits (transfers, the other stages, the sums
     over the pipeline) up to the update.
@@ -101,12 +109,14 @@ class PipelineTrainStep:
         self._index = {id(v): index for index, v in enumerate(self.variables)}
         # One compiled forward pass per virtual stage of this rank, and the update.
         self._forward_passes = {
-            stage_index: graph_function(lambda x, y, s=stage_index: stage.forward(s, x, y))
+            stage_index: graph_function(
+                lambda x, y, w, segments, s=stage_index: stage.forward(s, x, y, w, segments))
             for stage_index in stage.chunks
         }
         self._evaluations = {
             stage_index: graph_function(
-                lambda x, y, s=stage_index: stage.forward(s, x, y, training=False))
+                lambda x, y, w, segments, s=stage_index: stage.forward(s, x, y, w, segments,
+                                                                       training=False))
             for stage_index in stage.chunks
         }
         self._update = graph_function(self._update_fn)
@@ -118,20 +128,21 @@ class PipelineTrainStep:
 
     # ---- one tick ----------------------------------------------------------------
 
-    def _forward(self, operation, inputs, targets, received, saved):
+    def _forward(self, operation, micro_batches, shares, received, saved):
         virtual_stage = self.stage.chunks[operation.chunk]
         index = operation.microbatch
         last = virtual_stage == self.stage.last
+        inputs, targets, weights, segment_ids = micro_batches[index]
         with tf.GradientTape() as tape:
             if virtual_stage == 0:
-                x = inputs[index]  # token ids: nothing to differentiate
+                x = inputs  # token ids: nothing to differentiate
             else:
                 x = received.pop((FORWARD, index, virtual_stage))
                 tape.watch(x)
-            y = self._forward_passes[virtual_stage](x, targets[index] if last else None)
+            y = self._forward_passes[virtual_stage](
+                x, *((targets, weights) if last else (None, None)), segment_ids)
             if last:
-                loss = y
-                y = y / self.schedule.microbatches  # the batch's loss is the mean
+                y = loss = y * shares[index]  # its part of the step's loss
                 if _loss_scale(self.optimizer) is not None:
                     y = self.optimizer.scale_loss(y)
         saved[(index, virtual_stage)] = (tape, x, y)
@@ -186,12 +197,29 @@ class PipelineTrainStep:
 
     # ---- the step -------------------------------------------------------------------
 
-    def _step_fn(self, batch):
-        inputs, targets = batch
+    def _micro_batches(self, batch):
+        """`batch` cut into M micro-batches `(inputs, targets, weights,
+        segment_ids)` of (b, T) each (None for what it lacks), and each
+        one's share of the step's loss (see the class)."""
         count = self.schedule.microbatches
-        rows = inputs.shape[0] // count
-        inputs, targets = tf.split(inputs, count), tf.split(targets, count)  # M x (b, T)
-        empty = self._empty(inputs[0].shape[1])
+        parts = [[None] * count if part is None else tf.split(part, count)
+                 for part in _fields(batch)]  # 4 x M x (b, T)
+        weights = parts[2]
+        if weights[0] is None:
+            return list(zip(*parts)), [1.0 / count] * count
+        sums = [tf.reduce_sum(tf.cast(part, "float32")) for part in weights]
+        total, replicas = tf.add_n(sums), 1
+        if self.data_set is not None:
+            total = self._hvd.allreduce(total, op=self._hvd.Sum, name="pipeline_weight_total",
+                                        process_set=self.data_set)
+            replicas = self.data_set.size()
+        return list(zip(*parts)), [part * replicas / tf.maximum(total, 1.0) for part in sums]
+
+    def _step_fn(self, batch):
+        micro_batches, shares = self._micro_batches(batch)
+        inputs = micro_batches[0][0]
+        rows = inputs.shape[0]
+        empty = self._empty(inputs.shape[1])
         received, saved, losses, times = {}, {}, [], []
         gradients = [None] * len(self.variables)
         loop_begin = time.perf_counter()
@@ -200,7 +228,8 @@ class PipelineTrainStep:
             outgoing = None
             begin = time.perf_counter()
             if operation is not None and operation.kind == FORWARD:
-                loss, outgoing = self._forward(operation, inputs, targets, received, saved)
+                loss, outgoing = self._forward(operation, micro_batches, shares, received,
+                                               saved)
                 if loss is not None:
                     losses.append(loss)
                 finished = loss if outgoing is None else outgoing
@@ -238,21 +267,22 @@ class PipelineTrainStep:
         return result
 
     def evaluate(self, batch):
-        """`(loss, {})`: the batch's mean loss without training, on every rank of the pipeline.
+        """`(loss, {})`: the batch's mean loss (weighted by its `weights`, if it
+        has them) without training, on every rank of the pipeline.
 
         The whole batch goes through the virtual stages in order, without
         dropout: each stage's rank runs it and sends the hidden states to
         the next one's (one alltoall per change of rank); the last stage's
         loss is then summed over the pipeline, to which only it adds.
         """
-        inputs, targets = batch
+        inputs, targets, weights, segment_ids = _fields(batch)
         rank, last = self.stage.rank, self.stage.last
         x = inputs
         for virtual_stage in range(last):  # each stage before the last, then its hop
             owner, receiver = (self.schedule.rank_of(virtual_stage),
                                self.schedule.rank_of(virtual_stage + 1))
             if owner == rank:
-                x = self._evaluations[virtual_stage](x, None)
+                x = self._evaluations[virtual_stage](x, None, None, segment_ids)
             if receiver != owner:
                 splits = [0] * self.schedule.stages
                 if rank == owner:
@@ -261,7 +291,7 @@ class PipelineTrainStep:
                                f"pipeline_evaluate_{virtual_stage}")
         loss = tf.constant(0.0)
         if self.schedule.rank_of(last) == rank:
-            loss = self._evaluations[last](x, targets)
+            loss = self._evaluations[last](x, targets, weights, segment_ids)
         loss = self._hvd.allreduce(loss, op=self._hvd.Sum, name="pipeline_evaluate_loss",
                                    process_set=self.pipeline_set)
         return loss, {}
@@ -271,7 +301,7 @@ class PipelineTrainStep:
 
     def _sum_tied_table(self, gradients):
         """First and last stage add each other's token-table gradient (one alltoall)."""
-        if not self.stage.tied:
+        if not self.stage.trains_table:
             return gradients
         first, last = self.schedule.rank_of(0), self.schedule.rank_of(self.stage.last)
         rank = self.stage.rank
@@ -299,7 +329,8 @@ class PipelineTrainStep:
         variables, the same on every rank of the group, count once.
         """
         # The last stage's copy of a tied table has the first stage's gradient: count it once.
-        duplicate = self.stage.table if self.stage.tied and not self.stage.holds_first else None
+        duplicate = (self.stage.table if self.stage.trains_table and not self.stage.holds_first
+                     else None)
         tensor_slice = self.stage.model.tensor_slice
         split = split_rules(self.stage.model)
         squares = {True: [], False: []}
@@ -314,7 +345,7 @@ class PipelineTrainStep:
         local = tf.stack([
             squares[0],
             squares[1],
-            tf.add_n(losses) / self.schedule.microbatches if losses else tf.constant(0.0),
+            tf.add_n(losses) if losses else tf.constant(0.0),
         ])
         total = self._hvd.allreduce(local, op=self._hvd.Sum, name="pipeline_loss_and_norm",
                                     process_set=self.pipeline_set)
@@ -323,3 +354,9 @@ class PipelineTrainStep:
             sliced = self._hvd.allreduce(sliced, op=self._hvd.Sum, name="pipeline_sliced_norm",
                                          process_set=tensor_slice.process_set)
         return total[2], tf.sqrt(sliced + total[1])
+
+
+def _fields(batch):
+    """`(inputs, targets, weights, segment_ids)` of a batch (see
+    `PipelineTrainStep`), None for what it lacks."""
+    return tuple(batch) + (None,) * (4 - len(batch))

@@ -15,10 +15,15 @@ for this rank's stage alone: its blocks, the embeddings on the first
 stage, the final norm, the head and the token table on the last; the
 other stages' variables keep their shapes and no values. Only the
 stage's variables get gradients and optimizer slots either way.
+
+A model frozen with low-rank adapters (`tfgpt.models.adapters`) trains
+each stage's adapters alone: its base weights, the token table included,
+are held and read but neither differentiated nor updated.
 """
 
 import numpy as np
 
+from tfgpt.layers.segments import segment_positions
 from tfgpt.parallel.pipeline_partition import partition_blocks
 from tfgpt.parallel.unallocated import allocate
 from tfgpt.training.train_step import cross_entropy
@@ -50,6 +55,8 @@ class PipelineStage:
         held_variables: every variable this rank holds up to date (its
             trainable ones and its layers' dropout states), allocated.
         tied: bool. Whether the first and last stage share the token table.
+        trains_table: bool. Whether the shared table is trained (not under
+            adapters): then both stages add each other's gradient of it.
     """
 
     def __init__(self, model, schedule, rank, partition="uniform", sequence_length=None):
@@ -63,9 +70,11 @@ class PipelineStage:
             model.num_layers, schedule.num_virtual_stages, partition,
             block_cost=block_flops_per_token(model, length), first_cost=0.0, last_cost=head,
         )
-        self.chunks = [schedule.virtual_stage(rank, chunk) for chunk in range(schedule.virtual_stages)]
+        self.chunks = [schedule.virtual_stage(rank, chunk)
+                       for chunk in range(schedule.virtual_stages)]
         self.tied = model.lm_head is None
         self.table = model.embeddings.token_embedding.embeddings
+        self.trains_table = self.tied and self.table.trainable
         seen, variables = set(), []
         for stage in self.chunks:
             for variable in self.chunk_variables(stage):
@@ -98,28 +107,40 @@ class PipelineStage:
 
     def chunk_variables(self, stage):
         """Trainable Keras variables of virtual stage `stage` (the last stage's
-        include the tied token table it projects onto)."""
+        include the tied token table it projects onto, unless it is frozen)."""
         variables = [v for layer in self.layers(stage) for v in layer.trainable_variables]
-        if stage == self.last and self.tied and stage != 0:
+        if stage == self.last and self.trains_table and stage != 0:
             variables.append(self.table)
         return variables
 
-    def forward(self, stage, inputs, targets=None, training=True):
+    def forward(self, stage, inputs, targets=None, weights=None, segment_ids=None,
+                training=True):
         """Runs virtual stage `stage`: hidden states (B, T, C) out, or the
-        float32 mean loss on the last stage (with `targets`).
+        float32 mean loss on the last stage (with `targets`), weighted by
+        `weights` (B, T) when given (`cross_entropy`).
 
         `inputs` are token ids (B, T) on stage 0, hidden states after.
+        `segment_ids` (B, T), of packed rows, confine each example's
+        attention to itself and start its positions at 0, on every stage
+        (as `GPT.call` does).
         """
         start, end = self.ranges[stage]
-        x = self.model.embed(inputs, training=training) if stage == 0 else inputs  # (B, T, C)
+        packed = {}
+        if segment_ids is not None:
+            packed = {"segment_ids": segment_ids,
+                      "positions": segment_positions(segment_ids)}  # (B, T)
+        x = inputs
+        if stage == 0:
+            x = self.model.embed(inputs, positions=packed.get("positions"),
+                                 training=training)  # (B, T, C)
         for block in self.model.blocks[start:end]:
-            x = block(x, training=training)
+            x = block(x, training=training, **packed)
         if stage != self.last:
             return x
         if self.model.final_norm is not None:
             x = self.model.final_norm(x)
         # Under tensor parallelism the logits are this slice's part of the vocabulary.
-        return cross_entropy(targets, self.model.logits(x),
+        return cross_entropy(targets, self.model.logits(x), weights,
                              tensor_slice=self.model.tensor_slice)
 
     def owned_variables(self, stage):

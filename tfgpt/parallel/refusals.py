@@ -84,13 +84,6 @@ REFUSALS = [
      "--xla cannot compile a --zero-stage 3 step: its forward pass gathers each block's "
      "weights with Horovod collectives, which XLA cannot run; use --zero-stage 1 or 2 with "
      "--xla"),
-    (lambda r: r.pipeline > 1 and _config(r, lambda c: getattr(c, "task", "") == "sft"),
-     P + " runs an unweighted loss through its stages; --task sft (a loss over the learned "
-     "tokens of the global batch) runs with --pipeline-parallel 1"),
-    (lambda r: r.pipeline > 1 and _config(r, lambda c: getattr(c, "lora_rank", 0)),
-     "--lora-rank {r.config.lora_rank} trains adapters on the whole model or its tensor "
-     "slices, not on pipeline stages: use it with --pipeline-parallel 1 (data parallelism, "
-     "ZeRO and --tensor-parallel take it)"),
     (lambda r: r.command == "fit" and r.zero_stage,
      "model.fit averages whole gradients on every worker; --zero-stage {r.zero_stage} "
      "(sharded state) needs train_hvd.py or finetune_hvd.py under horovodrun"),

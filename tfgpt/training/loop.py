@@ -158,7 +158,8 @@ def release_in_background(*objects):
 
 
 def kernel_summary(config, distribution, model):
-    """The start-up line naming the fused CPU kernels this run's steps use, and why not the others."""
+    """The start-up line naming the fused CPU kernels this run's steps use, and why not the
+    others."""
     backbone = getattr(model, "backbone", model)  # fine-tuning: a head on a backbone
     reasons = None
     if isinstance(backbone, GPT):
@@ -284,8 +285,9 @@ class RunPart:
         self.sharding = shard_state(model, optimizer, distribution,
                                     self.trained.trainable_variables)
         # An adapter run's frozen base: its checkpoints name it instead of holding it.
-        self.base = (AdapterBase(lambda: self._entries(only=base_keys(self.model)))
-                     if adapter_variables(model) else None)
+        if adapter_variables(model):
+            base = base_keys(model)
+            self.base = AdapterBase(lambda: self._entries(only=base), base)
 
     @property
     def trained(self):
@@ -335,7 +337,7 @@ class RunPart:
             path = whole_model_checkpoint(directory)
             weights = {entry.key for entry in model_entries(self.model)}
             read_base(path, [entry for entry in self._entries()
-                             if entry.key in weights and not entry.per_rank], fingerprint=False)
+                             if entry.key in weights and not entry.per_rank])
         self.sharding.after_restore()
         return path
 
@@ -455,7 +457,8 @@ def run_loop(config, distribution, report, *, model, optimizer, step, train_step
     host = monitor.HostSampler(gpu_index=getattr(distribution, "local_rank", 0))
     rules = None
     if config.monitor_rules == "on":
-        rules = monitor.Rules(monitor.hostnames(distribution), pipeline=distribution.state.pipelined)
+        rules = monitor.Rules(monitor.hostnames(distribution),
+                              pipeline=distribution.state.pipelined)
     profiler = StepProfiler(
         config.profile_range(), os.path.join(config.out, "profile"), distribution.is_chief
     )

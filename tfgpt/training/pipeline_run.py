@@ -5,7 +5,11 @@ as usual; these are the parts that differ: the refusals, checked before
 the model is built, and the stage and its step
 (`tfgpt.parallel.pipeline_stage`, `pipeline_executor`). Each stage
 saves the weights and optimizer state it trains in the run's one
-checkpoint format (`tfgpt.checkpoint`), which any layout resumes.
+checkpoint format (`tfgpt.checkpoint`), which any layout resumes. Under
+`--lora-rank` each stage trains the adapters of its own blocks, and its
+checkpoints hold them alone, as any adapter run's do
+(`tfgpt.checkpoint.base`); `--task sft`'s weighted loss is the global
+batch's (`PipelineTrainStep`).
 """
 
 import numpy as np
@@ -66,6 +70,7 @@ class PipelinePart(RunPart):
         return self.stage
 
     def train_step(self, **options):
+        # (The step takes a weighted loss's token weights from the batch itself.)
         return self.pipeline_step
 
     def eval_step(self, loss_fn, xla=False):
