@@ -7,6 +7,7 @@ each example's logits as if it were alone.
 """
 
 import collections
+import contextlib
 
 import numpy as np
 import pytest
@@ -17,7 +18,9 @@ from pipelines.instruction_data import make_instruction_dataset
 from pipelines.prepare.shard_writer import best_fit
 from pipelines.reader import load_manifest
 from pipelines.tokenizer import Tokenizer
+from tests.kernel_checks import traced_op_types
 from tests.test_instruction_data import _examples, _prepare
+from tfgpt import kernels
 from tfgpt.models.gpt import GPT
 from tfgpt.training.objectives import InstructionTuning
 from tfgpt.training.train_step import cross_entropy
@@ -145,6 +148,14 @@ MODELS = {
                                         feedforward="gated", activation="silu"),
     "sliding window": dict(sliding_window=4, window_layers="all"),
 }
+# The fused kernels each model's packed rows take, forward and backward: the
+# whole attention core, the softmax alone, or neither (a window's mask).
+FUSED_OPS = {
+    "learned positions": {"TfgptCausalAttention", "TfgptCausalAttentionGrad"},
+    "rotary, grouped, rms, gated": {"TfgptCausalSoftmax", "TfgptCausalSoftmaxGrad"},
+    "sliding window": set(),
+}
+ATTENTION_OPS = set().union(*FUSED_OPS.values())
 
 
 def _model(**overrides):
@@ -161,10 +172,33 @@ def _loss_and_gradients(model, batch):
     return loss.numpy(), [tf.convert_to_tensor(g).numpy() for g in gradients]
 
 
-@pytest.mark.parametrize("overrides", MODELS.values(), ids=MODELS.keys())
-def test_packed_and_unpacked_examples_give_the_same_loss_and_gradients(overrides):
-    model = _model(**overrides)
+def _attention_ops(model, batch):
+    """The fused attention and softmax ops in a traced loss and gradient of `batch`."""
+    task = InstructionTuning()
+
+    def loss_and_gradients():
+        with tf.GradientTape() as tape:
+            loss, _ = task.loss(model, batch, training=True)
+        return tape.gradient(loss, model.trainable_variables)
+
+    return ATTENTION_OPS & traced_op_types(loss_and_gradients)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused kernels", "plain ops"])
+@pytest.mark.parametrize("name", MODELS)
+def test_packed_and_unpacked_examples_give_the_same_loss_and_gradients(name, fused):
+    if fused and kernels.library() is None:
+        pytest.skip(f"the fused kernels' library {kernels.unavailable_reason()}")
+    with contextlib.nullcontext() if fused else kernels.disabled():
+        _check_packed_and_unpacked(name, fused)
+
+
+def _check_packed_and_unpacked(name, fused):
+    model = _model(**MODELS[name])
     packed, unpacked = _packed_and_unpacked()
+    # The packed rows take the same kernels as the unpacked ones.
+    assert _attention_ops(model, packed) == (FUSED_OPS[name] if fused else set())
+    assert _attention_ops(model, unpacked) == (FUSED_OPS[name] if fused else set())
     assert packed[0].shape == (1, 16) and unpacked[0].shape == (3, 16)
     np.testing.assert_array_equal(tf.reduce_sum(packed[2]), tf.reduce_sum(unpacked[2]))
     packed_loss, packed_gradients = _loss_and_gradients(model, packed)
@@ -237,8 +271,8 @@ def test_cached_decoding_of_a_packed_row_equals_its_forward_pass():
 # ---- Fine-tuning on packed data ---------------------------------------------------------------
 
 
-def test_sft_on_packed_examples_learns_and_says_the_attention_runs_unfused(tmp_path, tiny_data,
-                                                                          capsys):
+def test_sft_on_packed_examples_learns_and_says_the_attention_runs_fused(tmp_path, tiny_data,
+                                                                        capsys):
     from tests.test_instruction_data import TINY, WORDS, _train
 
     # Completions that follow from the prompt: "X Y" -> "Y X".
@@ -250,8 +284,10 @@ def test_sft_on_packed_examples_learns_and_says_the_attention_runs_unfused(tmp_p
     common = ["--data", str(data), "--task", "sft", *TINY]
     _, before = _train([*common, "--out", str(tmp_path / "still"), "--steps", "1",
                         "--learning-rate", "1e-30"])
-    assert "attention, softmax: packed examples' block-diagonal mask: plain ops" in (
-        capsys.readouterr().out)
+    startup = capsys.readouterr().out
+    if kernels.library() is not None:  # the fused kernels take packed rows' segments
+        assert "fused kernels: attention, " in startup
+        assert "block-diagonal" not in startup
     _, after = _train([*common, "--out", str(tmp_path / "tuned"), "--steps", "40",
                        "--learning-rate", "0.02"])
     assert after["val_loss"] < before["val_loss"] - 0.5, (before["val_loss"], after["val_loss"])

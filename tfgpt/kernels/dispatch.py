@@ -13,9 +13,10 @@ reason it does not, checked in this order:
 5. the kernel's own rules (`KERNELS`): its dtypes (attention is float32
    only: in bfloat16 and float16 oneDNN's matmuls outrun the kernel's
    float32 Eigen matmuls), no attention dropout in training and no padding
-   mask or KV cache (attention; the fused softmax masks causally and
-   nothing else), no `tf.distribute` strategy updating the variables
-   (AdamW: its replicas' slot variables take Keras's update path).
+   mask or KV cache (attention; the fused softmax masks causally, within
+   packed examples' segments when given their ids, and nothing else), no
+   `tf.distribute` strategy updating the variables (AdamW: its replicas'
+   slot variables take Keras's update path).
 
 `reason(kernel, dtype, ...)` answers at a call site, while a step is traced
 (XLA is then read from the trace); `summary(...)` answers for a training

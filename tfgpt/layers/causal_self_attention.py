@@ -55,8 +55,8 @@ class CausalSelfAttention(SelfAttentionBase):
     (`c_proj`). Position i attends to positions <= i only, and with
     `segment_ids` (packed examples, `tfgpt.layers.segments`) to those of
     its own example only. Softmax runs in float32 under mixed precision.
-    Without a cache, padding mask or segment ids, on CPU
-    with the fused kernels: in float32 (and without attention dropout in
+    Without a cache or padding mask, on CPU with the fused kernels (packed
+    rows' segment ids too): in float32 (and without attention dropout in
     training) the whole core is `tfgpt.kernels.causal_attention`, one
     kernel each way; otherwise the softmax is
     `tfgpt.kernels.causal_softmax`, one fused pass each way.
@@ -188,11 +188,11 @@ class CausalSelfAttention(SelfAttentionBase):
             qkv = self.query_key_value(heads_input)  # (B, T, 3C)
             plain = self.rotary is None and self.scale and not self.window
             if plain and causal_attention_available(
-                qkv.dtype, self.dropout if training else 0.0, padding_mask, cache, segment_ids
+                qkv.dtype, self.dropout if training else 0.0, padding_mask, cache
             ):
                 # Float32 on CPU: one fused kernel each way reads the heads out
                 # of the projection and skips the masked score blocks.
-                attended = causal_attention(qkv, self.local_heads)  # (B, T, C)
+                attended = causal_attention(qkv, self.local_heads, segment_ids)  # (B, T, C)
                 return self._project_output(attended)  # (B, T, C)
             qkv = tf.reshape(
                 qkv, [batch_size, length, 3, self.local_heads, self.head_dim]
@@ -232,11 +232,12 @@ class CausalSelfAttention(SelfAttentionBase):
             key = tf.repeat(key, groups, axis=1)  # (B, H, S, D)
             value = tf.repeat(value, groups, axis=1)  # (B, H, S, D)
         scores = tf.matmul(query, key, transpose_b=True)  # (B, H, T, S)
-        if (cache is None and padding_mask is None and segment_ids is None and not self.window
+        if (cache is None and padding_mask is None and not self.window
                 and inputs.shape[1] is not None):
-            # Training: masked softmax in one fused pass each way on CPU
-            # (tfgpt.kernels), else cast, constant bias, softmax, cast back.
-            weights = causal_softmax(scores)  # (B, H, T, T), compute dtype
+            # Training: masked softmax (causal, within packed examples) in one
+            # fused pass each way on CPU (tfgpt.kernels), else cast, bias,
+            # softmax, cast back.
+            weights = causal_softmax(scores, segment_ids)  # (B, H, T, T), compute dtype
         else:
             scores = tf.cast(scores, "float32") + self._mask_bias(
                 inputs, key, padding_mask, cache_index, segment_ids

@@ -20,7 +20,6 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from pipelines import reader
 from tfgpt import kernels
 from tfgpt.checkpoint import latest
 from tfgpt.checkpoint import run as checkpoint_run
@@ -164,10 +163,6 @@ def kernel_summary(config, distribution, model):
     reasons = None
     if isinstance(backbone, GPT):
         reasons = decoder_kernel_reasons(backbone.config)
-        if packed_data(config):
-            # The fused attention and softmax mask causally and nothing else.
-            for name in ("attention", "softmax"):
-                reasons.setdefault(name, "packed examples' block-diagonal mask: plain ops")
     return kernels.summary(
         "float32" if config.mixed_precision == "off" else config.mixed_precision,
         xla=config.xla,
@@ -177,14 +172,6 @@ def kernel_summary(config, distribution, model):
         tensor_parallel=distribution.state.tensor > 1,
         model_reasons=reasons,
     )
-
-
-def packed_data(config):
-    """Whether the run's `--data` holds packed instruction examples (`prepare --pack`)."""
-    data = getattr(config, "data", "")
-    if getattr(config, "task", "") != "sft" or not data:
-        return False
-    return bool(reader.load_manifest(data).get("packed"))
 
 
 def decoder_kernel_reasons(config):

@@ -20,20 +20,30 @@
 // the gradient in a packed block-lower layout: per (batch, head), block i's
 // rows x r1 matrix after block i - 1's, L = sum_i rows_i * r1_i floats.
 //
+// With segment ids (packed examples, `segments.h`), query q also sees only
+// the keys of its own segment: row r's softmax runs over keys
+// [first key of its segment, r], and block i meets keys [c0, r1) only, c0
+// the first key any of its queries sees; the weights keep their layout,
+// with zeros before c0. A row of one segment computes what it computes
+// without segment ids, bit for bit.
+//
 // Gradient, per (batch, head) and block, with dO the output gradient:
-//   dV[0:r1] += weights^T dO[r0:r1]
-//   dP        = dO[r0:r1] V[0:r1]^T
-//   dS        = weights * (dP - rowsum(weights * dP)) / sqrt(D)
-//   dQ[r0:r1] = dS K[0:r1],   dK[0:r1] += dS^T Q[r0:r1]
+//   dV[c0:r1] += weights^T dO[r0:r1]
+//   dP         = dO[r0:r1] V[c0:r1]^T
+//   dS         = weights * (dP - rowsum(weights * dP)) / sqrt(D)
+//   dQ[r0:r1]  = dS K[c0:r1],   dK[c0:r1] += dS^T Q[r0:r1]
+// (c0 = 0 without segment ids).
 // Each (batch, head) is one unit of work done in a fixed order, so results
 // do not depend on the thread pool. The matmuls are Eigen's (single
 // threaded per unit; the units spread over the op's threads).
 
 #include "common.h"
+#include "segments.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -48,7 +58,6 @@ using Matrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMa
 using Strided = Eigen::Map<Matrix, 0, Eigen::OuterStride<>>;
 using ConstStrided = Eigen::Map<const Matrix, 0, Eigen::OuterStride<>>;
 using Dense = Eigen::Map<Matrix>;
-using ConstDense = Eigen::Map<const Matrix>;
 using FloatRow = Eigen::Map<Eigen::ArrayXf>;
 
 // Floats of the packed weights of one (batch, head) for T positions.
@@ -75,31 +84,43 @@ Status AttentionShape(InferenceContext* c) {
     packed = c->MakeDim(PackedLength(c->Value(c->Dim(qkv, 1)), block));
   }
   c->set_output(1, c->MakeShape({c->Dim(qkv, 0), c->MakeDim(heads), packed}));
+  if (c->num_inputs() > 1) {  // segment_ids (B, T)
+    ShapeHandle segments;
+    TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 2, &segments));
+    TF_RETURN_IF_ERROR(c->Merge(segments, c->MakeShape({c->Dim(qkv, 0), c->Dim(qkv, 1)}),
+                                &segments));
+  }
   return Status();
 }
 
 REGISTER_OP("TfgptCausalAttention")
     .Input("qkv: float")
+    .Input(kSegmentIdsInput)
     .Output("output: float")
     .Output("weights: float")
     .Attr("num_heads: int >= 1")
     .Attr("block_size: int >= 1 = 64")
+    .Attr(kSegmentedAttr)
     .SetShapeFn(AttentionShape)
     .Doc(R"doc(
 Causal self-attention of `qkv` (B, T, 3C), laid out as (B, T, 3, H, D)
 (queries, keys, values; H = num_heads heads of D = C / H): `output` (B, T, C)
 holds the heads side by side, softmax(Q K^T / sqrt(D), causal) V.
 `weights` (B, H, L) are the attention weights in a packed block-lower
-layout, kept for the gradient.
+layout, kept for the gradient. With `segment_ids` (one int32 (B, T) tensor,
+or none), query q sees key k <= q only where segment_ids[b, k] ==
+segment_ids[b, q] (packed examples).
 )doc");
 
 REGISTER_OP("TfgptCausalAttentionGrad")
     .Input("doutput: float")
     .Input("qkv: float")
     .Input("weights: float")
+    .Input(kSegmentIdsInput)
     .Output("dqkv: float")
     .Attr("num_heads: int >= 1")
     .Attr("block_size: int >= 1 = 64")
+    .Attr(kSegmentedAttr)
     .SetShapeFn([](InferenceContext* c) {
       c->set_output(0, c->input(1));
       return Status();
@@ -156,6 +177,7 @@ class CausalAttentionKernel : public OpKernel {
   explicit CausalAttentionKernel(OpKernelConstruction* context) : OpKernel(context) {
     OP_REQUIRES_OK(context, context->GetAttr("num_heads", &heads_));
     OP_REQUIRES_OK(context, context->GetAttr("block_size", &block_));
+    OP_REQUIRES_OK(context, GetSegmented(context, &segmented_));
   }
 
   Status Measure(const Tensor& qkv, Sizes* s, int64_t* packed) const {
@@ -165,6 +187,7 @@ class CausalAttentionKernel : public OpKernel {
   }
 
   int64_t heads_, block_;
+  bool segmented_;
 };
 
 class CausalAttentionOp : public CausalAttentionKernel {
@@ -176,6 +199,8 @@ class CausalAttentionOp : public CausalAttentionKernel {
     Sizes s;
     int64_t packed;
     OP_REQUIRES_OK(context, Measure(qkv, &s, &packed));
+    SegmentMask segments;
+    OP_REQUIRES_OK(context, ReadSegments(context, segmented_, 1, s.batch, s.length, &segments));
     Tensor* output = nullptr;
     OP_REQUIRES_OK(context, context->allocate_output(
                                 0, TensorShape({s.batch, s.length, s.width}), &output));
@@ -189,6 +214,7 @@ class CausalAttentionOp : public CausalAttentionKernel {
     const float scale = 1.0f / std::sqrt(static_cast<float>(s.head_dim));
     const int64_t T = s.length, block = block_;
     ForEachHead(context, s, [&](int64_t unit) {
+      const int64_t b = unit / s.heads;
       const auto q = HeadView<ConstStrided>(in, unit, s, 3, 0);
       const auto k = HeadView<ConstStrided>(in, unit, s, 3, 1);
       const auto v = HeadView<ConstStrided>(in, unit, s, 3, 2);
@@ -196,17 +222,33 @@ class CausalAttentionOp : public CausalAttentionKernel {
       float* p = w + unit * packed;
       for (int64_t r0 = 0; r0 < T; r0 += block) {
         const int64_t r1 = std::min(T, r0 + block), rows = r1 - r0;
-        Dense scores(p, rows, r1);
-        scores.noalias() = q.middleRows(r0, rows) * k.topRows(r1).transpose();
+        const int64_t c0 = segments.First(b, r0, r1), keys = r1 - c0;
+        Strided scores(p + c0, rows, keys, Eigen::OuterStride<>(r1));  // keys [c0, r1)
+        scores.noalias() = q.middleRows(r0, rows) * k.middleRows(c0, keys).transpose();
         for (int64_t r = 0; r < rows; ++r) {
-          const int64_t visible = r0 + r + 1;
-          FloatRow row(p + r * r1, visible);
+          const int64_t query = r0 + r, first = segments.First(b, query);
+          float* line = p + r * r1;
+          FloatRow row(line + first, query + 1 - first);
+          const bool run = segments.Run(b, query);
+          if (!run) {
+            for (int64_t key = first; key < query; ++key) {
+              if (!segments.Sees(b, query, key)) {
+                line[key] = -std::numeric_limits<float>::infinity();
+              }
+            }
+          }
           const float max = row.maxCoeff();
           row = ((row - max) * scale).exp();
+          if (!run) {
+            for (int64_t key = first; key < query; ++key) {
+              if (!segments.Sees(b, query, key)) line[key] = 0.0f;
+            }
+          }
           row *= 1.0f / row.sum();
-          std::fill(p + r * r1 + visible, p + (r + 1) * r1, 0.0f);
+          std::fill(line, line + first, 0.0f);
+          std::fill(line + query + 1, line + r1, 0.0f);
         }
-        o.middleRows(r0, rows).noalias() = scores * v.topRows(r1);
+        o.middleRows(r0, rows).noalias() = scores * v.middleRows(c0, keys);
         p += rows * r1;
       }
     });
@@ -225,6 +267,8 @@ class CausalAttentionGradOp : public CausalAttentionKernel {
     Sizes s;
     int64_t packed;
     OP_REQUIRES_OK(context, Measure(qkv, &s, &packed));
+    SegmentMask segments;
+    OP_REQUIRES_OK(context, ReadSegments(context, segmented_, 3, s.batch, s.length, &segments));
     OP_REQUIRES(context, doutput.shape() == TensorShape({s.batch, s.length, s.width}),
                 absl::InvalidArgumentError(absl::StrCat(
                     "doutput must be (B, T, C) = (", s.batch, ", ", s.length, ", ", s.width,
@@ -244,6 +288,7 @@ class CausalAttentionGradOp : public CausalAttentionKernel {
     const float scale = 1.0f / std::sqrt(static_cast<float>(s.head_dim));
     const int64_t T = s.length, block = block_;
     ForEachHead(context, s, [&](int64_t unit) {
+      const int64_t b = unit / s.heads;
       const auto q = HeadView<ConstStrided>(in, unit, s, 3, 0);
       const auto k = HeadView<ConstStrided>(in, unit, s, 3, 1);
       const auto v = HeadView<ConstStrided>(in, unit, s, 3, 2);
@@ -257,10 +302,12 @@ class CausalAttentionGradOp : public CausalAttentionKernel {
       const float* p = w + unit * packed;
       for (int64_t r0 = 0; r0 < T; r0 += block) {
         const int64_t r1 = std::min(T, r0 + block), rows = r1 - r0;
-        ConstDense probs(p, rows, r1);
-        Dense ds(scratch.data(), rows, r1);
-        dv.topRows(r1).noalias() += probs.transpose() * dout.middleRows(r0, rows);
-        ds.noalias() = dout.middleRows(r0, rows) * v.topRows(r1).transpose();
+        // The forward pass's keys [c0, r1): the weights before c0 are 0.
+        const int64_t c0 = segments.First(b, r0, r1), keys = r1 - c0;
+        ConstStrided probs(p + c0, rows, keys, Eigen::OuterStride<>(r1));
+        Dense ds(scratch.data(), rows, keys);
+        dv.middleRows(c0, keys).noalias() += probs.transpose() * dout.middleRows(r0, rows);
+        ds.noalias() = dout.middleRows(r0, rows) * v.middleRows(c0, keys).transpose();
         for (int64_t r = 0; r < rows; ++r) {
           // Masked entries have weight 0, so their dS is 0 as well.
           auto pr = probs.row(r).array();
@@ -268,8 +315,8 @@ class CausalAttentionGradOp : public CausalAttentionKernel {
           const float dot = (pr * dr).sum();
           dr = pr * (dr - dot) * scale;
         }
-        dq.middleRows(r0, rows).noalias() = ds * k.topRows(r1);
-        dk.topRows(r1).noalias() += ds.transpose() * q.middleRows(r0, rows);
+        dq.middleRows(r0, rows).noalias() = ds * k.middleRows(c0, keys);
+        dk.middleRows(c0, keys).noalias() += ds.transpose() * q.middleRows(r0, rows);
         p += rows * r1;
       }
     });
