@@ -10,10 +10,9 @@ process, the oracle, in each precision, and in each layout of `MATRIX`,
 all of them in one launch per rank count (one process, `horovodrun -np 2`,
 `-np 4`):
 
-    ZeRO-3 (4 sequences per rank), every family: bfloat16 and float16 (its dynamic
-        loss scaling)
-    TP2 (the tensor group reads the whole batch), every family: bfloat16 and float16;
-        Mistral and Qwen2: float32
+    ZeRO-3 (4 sequences per rank): GPT-2, Llama, GPT-J, GPT-Neo and Pythia under
+        bfloat16 and float16 (its dynamic loss scaling); Mistral and Qwen2 in float32
+    TP2 (the tensor group reads the whole batch): as ZeRO-3
     PP2, 1F1B over 2 micro-batches (one block per stage): GPT-J, Pythia: bfloat16 and
         float16; Mistral and Qwen2: float32
     ZeRO-1, and ZeRO-2 with `--recompute` (4 sequences per rank): GPT-J, GPT-Neo,
@@ -123,6 +122,7 @@ MATRIX = [
     ("pp2", ("gptj", "pythia"), MIXED),
     ("zero1", NEWER, ("float32",)),
     ("zero2-recompute", NEWER, ("float32",)),
+    ("zero3", ("mistral", "qwen2"), ("float32",)),
     ("tp2", ("mistral", "qwen2"), ("float32",)),
     ("pp2", ("mistral", "qwen2"), ("float32",)),
     ("tp2xpp2-recompute", NEWER, ("float32",)),
