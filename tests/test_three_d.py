@@ -2,8 +2,9 @@
 
 Each pipeline stage's blocks hold this rank's tensor slice; the stages of
 one tensor index form a pipeline. Checked against one process on the same
-global batch (`tests/hvd_scripts/pipeline_check.py --tensor`), and end to
-end through `train_hvd.py`: the start-up lines, checkpoints, resume.
+global batch (`tests/hvd_scripts/pipeline_check.py --tensor`; GPT-2-, GPT-J-
+and Qwen2-shaped, the last two with `--recompute`), and end to end through
+`train_hvd.py`: the start-up lines, checkpoints, resume.
 """
 
 import json
