@@ -2,8 +2,9 @@
 
 Each pipeline stage's blocks hold this rank's tensor slice; the stages of
 one tensor index form a pipeline. Checked against one process on the same
-global batch (`tests/hvd_scripts/pipeline_check.py --tensor`), and end to
-end through `train_hvd.py`: the start-up lines, checkpoints, resume.
+global batch (`tests/hvd_scripts/pipeline_check.py --tensor`; GPT-2-, GPT-J-
+and Qwen2-shaped, the last two with `--recompute`), and end to end through
+`train_hvd.py`: the start-up lines, checkpoints, resume.
 """
 
 import json
@@ -74,15 +75,23 @@ def test_two_stages_of_two_slices_and_a_vocabulary_parallel_head_match_one_proce
     clip = ["--clip", "0.3", *VOCABULARY]
     # With gpipe, the untied lm_head's V/T columns on each rank of the last stage.
     untied = ["--untied", "--layers", "3", *VOCABULARY]
-    oracles = run_each(SCRIPT, tmp_path, 0, [("global", *clip), ("global-untied", *untied)])
+    # The families whose weights GPT-2's and Llama's (tests/test_resume_layouts.py)
+    # do not have, with each block recomputed: GPT-J's head bias split by
+    # vocabulary on the last stage (and its parallel residual), Qwen2's
+    # query/key/value biases over 2 key-value heads, one on each slice.
+    families = {family: [f"--{family}", "--recompute", *clip] for family in ("gptj", "qwen2")}
+    oracles = run_each(SCRIPT, tmp_path, 0, [
+        ("global", *clip), ("global-untied", *untied),
+        *[(f"global-{family}", *flags) for family, flags in families.items()]])
     oracle = oracles["global"][0]
     assert oracle["norms"][0] > 0.3
     assert not np.allclose(oracle["losses"][0], oracle["losses"][-1])  # it trained
+    three_d = ["--tensor", "2", "--stages", "2", "--schedule", "1f1b"]
     runs = run_each(SCRIPT, tmp_path, 4, [
-        ("1f1b", "--tensor", "2", "--stages", "2", "--schedule", "1f1b", "--microbatches", "4",
-         *clip),
+        ("1f1b", *three_d, "--microbatches", "4", *clip),
         ("gpipe", "--tensor", "2", "--stages", "2", "--schedule", "gpipe", "--microbatches", "2",
          *untied),
+        *[(family, *three_d, "--microbatches", "2", *flags) for family, flags in families.items()],
     ])
     # Split per block: the heads' projections in and out (3 variables), the
     # MLP's (3); and the token embedding.
@@ -91,6 +100,14 @@ def test_two_stages_of_two_slices_and_a_vocabulary_parallel_head_match_one_proce
     assert len([key for key in runs["gpipe"][0] if key.startswith("rule_")]) == 3 * 6 + 2
     _assert_slices_join_to_the_oracle(runs["gpipe"], oracles["global-untied"][0], 2,
                                       "gpipe, untied")
+    # Split per block: GPT-J's 5 (GPT-2's but the query/key/value bias), and
+    # its head and the head's bias; Qwen2's 8 (the queries' and the keys' and
+    # values' kernels and biases, the output, the gated network's 3 kernels).
+    for family, split in (("gptj", 4 * 5 + 3), ("qwen2", 4 * 8 + 1)):
+        assert len([key for key in runs[family][0] if key.startswith("rule_")]) == split, family
+        assert oracles[f"global-{family}"][0]["norms"][0] > 0.3, family
+        _assert_slices_join_to_the_oracle(runs[family], oracles[f"global-{family}"][0], 2,
+                                          f"{family}, 1f1b, --recompute")
 
 
 # ---- train_hvd.py end to end -------------------------------------------------------

@@ -33,7 +33,7 @@ Usage: pipeline_check.py OUT TAG [--global] [--schedule gpipe|1f1b|interleaved]
 [--microbatches M] [--stages P] [--virtual-stages V] [--partition uniform|balanced]
 [--clip C] [--dropout R] [--untied] [--layers L] [--die-at-step K]
 [--precision off|bfloat16|float16] [--overflow-step K] [--zero-stage S] [--rows R]
-[--tensor T] [--vocabulary V] [--recompute] [--weighted]
+[--tensor T] [--vocabulary V] [--recompute] [--gptj] [--qwen2] [--weighted]
 """
 
 import argparse
@@ -85,6 +85,11 @@ def main(argv=None):
     parser.add_argument("--gptj", action="store_true",
                         help="GPT-J's switches: parallel residual, interleaved partial rotary "
                              "positions, no attention biases, an untied head with a bias")
+    parser.add_argument("--qwen2", action="store_true",
+                        help="Qwen2's switches: Llama's (RMSNorm, rotary positions, SwiGLU, "
+                             "no output or feed-forward biases) with 4 query heads sharing 2 "
+                             "key-value heads, biases on the queries, keys and values, a tied "
+                             "head")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--die-at-step", type=int, default=0)
     parser.add_argument("--precision", default="off")
@@ -119,11 +124,15 @@ def main(argv=None):
     gptj = dict(positions="rotary", rotary_fraction=0.5, rotary_interleaved=True,
                 attention_bias=False, output_bias=False, residual="parallel",
                 tie_embeddings=False, lm_head_bias=True) if args.gptj else {}
+    qwen2 = dict(num_heads=4, num_key_value_heads=2, norm="rms", positions="rotary",
+                 feedforward="gated", activation="silu", attention_bias=True,
+                 output_bias=False, feedforward_bias=False) if args.qwen2 else {}
 
     def build():
-        return GPT(vocabulary_size=args.vocabulary, num_layers=args.layers, num_heads=2,
+        return GPT(vocabulary_size=args.vocabulary, num_layers=args.layers,
                    hidden_dim=8, intermediate_dim=12, max_sequence_length=LENGTH,
-                   dropout=args.dropout, **{"tie_embeddings": not args.untied, **gptj})
+                   dropout=args.dropout,
+                   **{"num_heads": 2, "tie_embeddings": not args.untied, **gptj, **qwen2})
 
     with contextlib.nullcontext() if args.global_batch else distribution.scope():
         model = build() if args.global_batch else build_unallocated(build)
