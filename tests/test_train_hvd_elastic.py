@@ -16,7 +16,10 @@ import pytest
 import tensorflow as tf
 
 from pipelines import reader
+from pipelines.instruction_data import make_instruction_dataset
+from pipelines.manifest import INSTRUCTION_FORMAT
 from tests.launch import REPO, checkpoint_tensors, elastic_horovodrun, run
+from tests.test_instruction_data import _examples, _prepare
 from tests.test_train_hvd import TINY_MODEL
 from tfgpt.resilience import faults
 
@@ -105,13 +108,19 @@ def assert_no_abort(output):
 
 
 def assert_each_sequence_once(steps, data):
-    """The steps' sequences, in order, are the global order's from position 0;
-    returns them."""
+    """The steps' sequences, in order, are the global order's from position 0
+    (the causal LM's records, or instruction records' tokens); returns them."""
     consumed = consumed_in_order(steps)
     manifest = reader.load_manifest(data)
-    stream = reader.global_records(manifest, str(data), "train", shuffle=True, seed=0,
-                                   shuffle_buffer=reader.DEFAULT_SHUFFLE_BUFFER, cursor=0)
-    assert consumed == record_fingerprints(stream.take(len(consumed)), manifest["record_length"])
+    if manifest.get("format") == INSTRUCTION_FORMAT:
+        rows = make_instruction_dataset(str(data), "train", 1, seed=0, cursor=0)
+        expected = [faults.fingerprint(np.concatenate([inputs[0], targets[0, -1:]]))
+                    for inputs, targets, _ in rows.take(len(consumed)).as_numpy_iterator()]
+    else:
+        stream = reader.global_records(manifest, str(data), "train", shuffle=True, seed=0,
+                                       shuffle_buffer=reader.DEFAULT_SHUFFLE_BUFFER, cursor=0)
+        expected = record_fingerprints(stream.take(len(consumed)), manifest["record_length"])
+    assert consumed == expected
     return consumed
 
 
@@ -196,10 +205,11 @@ def test_workers_added_train_from_the_same_state(tiny_data, tmp_path):
     aborted such a pair) or a hang (the two workers started beside others
     run one tower where the first two run two, and named their gradient
     buckets otherwise: `tfgpt.parallel.horovod_bridge`); each sequence of
-    the global order is used once. The run trains `--lora-rank 4` adapters
-    on a frozen `--init` base: the adapters too are every rank's alike at
-    every step, its checkpoints hold them alone, and the base stays the
-    init's, bit for bit."""
+    the global order is used once. The run fine-tunes (`--task sft`, on
+    instruction records) `--lora-rank 4` adapters on a frozen `--init`
+    base: the adapters too are every rank's alike at every step, its
+    checkpoints hold them alone, and the base stays the init's, bit for
+    bit."""
     from dataclasses import asdict
 
     from pipelines.tokenizer import Tokenizer
@@ -223,6 +233,8 @@ def test_workers_added_train_from_the_same_state(tiny_data, tmp_path):
         max_sequence_length=16)
     base = GPT(**asdict(base_config))
     save_model(tmp_path / "base", base, Tokenizer.load(str(tiny_data / "tokenizer.model")))
+    code, instructions = _prepare(tmp_path, tiny_data, _examples(400))
+    assert code == 0
 
     def steps_at(size):
         return {step for _, step, world, _, _, _ in record_log_lines(records) if world == size}
@@ -238,9 +250,9 @@ def test_workers_added_train_from_the_same_state(tiny_data, tmp_path):
             hosts.set({"localhost": 2, "127.0.0.1": 2})
 
     code, output = elastic_horovodrun(
-        tmp_path, *elastic_flags(tiny_data, tmp_path / "run", "--steps", steps, "--commit-every",
-                                 "2", "--log-every", "5", *width, "--init", tmp_path / "base",
-                                 "--lora-rank", "4"),
+        tmp_path, *elastic_flags(instructions, tmp_path / "run", "--steps", steps,
+                                 "--commit-every", "2", "--log-every", "5", *width, "--init",
+                                 tmp_path / "base", "--task", "sft", "--lora-rank", "4"),
         on_poll=grow, slots={"localhost": 1}, max_slots=4,
         env={faults.RECORD_LOG: str(records), faults.SLOW_COMPUTE: "0:0.2"})
     assert code == 0, output
@@ -251,7 +263,7 @@ def test_workers_added_train_from_the_same_state(tiny_data, tmp_path):
     sizes = [steps_logged[step][0] for step in sorted(steps_logged)]
     assert sizes == sorted(sizes) and sizes[-1] == 4, sizes
     assert sizes.count(2) >= enough and sizes.count(4) >= enough, sizes
-    assert_each_sequence_once(steps_logged, tiny_data)
+    assert_each_sequence_once(steps_logged, instructions)
 
     # The checkpoint holds the adapters alone and names the base; read back onto it,
     # the base weights are the init's, bit for bit, and the adapters trained.
@@ -303,8 +315,8 @@ def _train_with_options(argv, options):
 
 @pytest.mark.parametrize("flags, message", [
     (["--preset", "bert-demo", "--task", "mlm"],
-     "--elastic reads the causal LM's packed records in one global order; --task mlm is not "
-     "supported"),
+     r"--elastic reads a decoder's records \(--task clm or sft\) in one global order; --task "
+     "mlm is not supported"),
     (["--skip-corrupt"], "--skip-corrupt would leave out different shards on different workers"),
 ])
 def test_elastic_refuses_what_breaks_the_global_order(tiny_data, tmp_path, flags, message):

@@ -81,10 +81,10 @@ def joins_running_job(out):
 
 def check_config(config, task_name):
     """Raises, before anything is built, for what `--elastic` cannot do."""
-    if task_name != "clm":
+    if task_name not in ("clm", "sft"):
         raise ValueError(
-            f"--elastic reads the causal LM's packed records in one global order; --task "
-            f"{task_name} is not supported with it"
+            f"--elastic reads a decoder's records (--task clm or sft) in one global order; "
+            f"--task {task_name} is not supported with it"
         )
     if config.skip_corrupt:
         raise ValueError(
@@ -192,8 +192,10 @@ def _logging_records(batches, directory, formation, first_step, distribution, va
     # (`variables` as the loop draws the step's batch) and the sequences it read.
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, f"records-{os.getpid()}.txt"), "a") as log:
-        for index, (inputs, targets) in enumerate(batches):
-            # (..., B, T) inputs and (..., B, T) targets -> rows of T + 1 tokens.
+        for index, batch in enumerate(batches):
+            # (..., B, T) inputs and (..., B, T) targets -> rows of T + 1 tokens
+            # (instruction batches: their loss weights and segments after them).
+            inputs, targets = batch[:2]
             tokens = np.concatenate([inputs.numpy(), targets.numpy()[..., -1:]], axis=-1)
             rows = tokens.reshape(-1, tokens.shape[-1])
             log.write(
@@ -202,7 +204,7 @@ def _logging_records(batches, directory, formation, first_step, distribution, va
                 + " ".join(faults.fingerprint(row) for row in rows) + "\n"
             )
             log.flush()
-            yield inputs, targets
+            yield batch
 
 
 def run_formations(config, options, distribution, report, *, model, optimizer, step, data_cursor,
