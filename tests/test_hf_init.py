@@ -19,6 +19,7 @@ from pipelines import prepare
 from pipelines.instruction_data import make_instruction_dataset
 from pipelines.reader import load_manifest
 from tests.test_hf_tokenizers import train_byte_level
+from tests.test_instruction_data import _prepare as prepare_instructions
 from tfgpt.tokenizers.tokenizer_json import LLAMA3_SPLIT_PATTERN
 
 torch = pytest.importorskip("torch")
@@ -75,15 +76,10 @@ def _examples(count=24):
     return examples
 
 
-def _prepare(directory, examples, tokenizer, *flags):
-    directory.mkdir(parents=True, exist_ok=True)
-    source = directory / "examples.jsonl"
-    source.write_text("".join(json.dumps(example) + "\n" for example in examples))
-    out = directory / "instructions"
-    code = prepare.main(["--input", str(source), "--output", str(out), "--seq-len", "16",
-                         "--format", "instructions", "--tokenizer", str(tokenizer),
-                         "--val-fraction", "0.2", "--shard-size", "2K", "--workers", "1",
-                         *flags])
+def _prepare(directory, examples, tokenizer):
+    """`tests.test_instruction_data._prepare` with `tokenizer` (a directory), in
+    one process; returns the data directory."""
+    code, out = prepare_instructions(directory, tokenizer, examples, "--workers", "1")
     assert code == 0
     return out
 
