@@ -193,7 +193,7 @@ FLOAT16 = ["--precision", "float16", "--overflow-step", "2", *CLIP]
 # processes' start-up once): tag -> flags.
 RUNS = {
     0: {"global": CLIP, "global-bf16": ["--precision", "bfloat16"], "global-untied": UNTIED,
-        "global-gptj": ["--gptj", *CLIP], "global-f16": FLOAT16},
+        "global-gptj": ["--family", "gptj", *CLIP], "global-f16": FLOAT16},
     2: {
         **{name: ["--schedule", name, "--microbatches", "4", *extra, *CLIP]
            for name, extra in SCHEDULES},
@@ -208,7 +208,7 @@ RUNS = {
         # Each block's activations recomputed in the backward pass: the same training.
         "recompute": ["--schedule", "1f1b", "--recompute", *CLIP],
         # GPT-J's shape: the head's bias on the last stage, rotary positions in each.
-        "gptj": ["--gptj", "--schedule", "1f1b", *CLIP],
+        "gptj": ["--family", "gptj", "--schedule", "1f1b", *CLIP],
     },
     # 2 data-parallel replicas x 2 stages, each pipeline on half the rows;
     # the stages' gradients averaged over the replicas, clipping by the

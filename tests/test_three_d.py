@@ -2,8 +2,8 @@
 
 Each pipeline stage's blocks hold this rank's tensor slice; the stages of
 one tensor index form a pipeline. Checked against one process on the same
-global batch (`tests/hvd_scripts/pipeline_check.py --tensor`; GPT-2-, GPT-J-
-and Qwen2-shaped, the last two with `--recompute`), and end to end through
+global batch (`tests/hvd_scripts/pipeline_check.py --tensor`; GPT-2-shaped,
+and each other decoder family's shape with `--recompute`), and end to end through
 `train_hvd.py`: the start-up lines, checkpoints, resume.
 """
 
@@ -75,11 +75,13 @@ def test_two_stages_of_two_slices_and_a_vocabulary_parallel_head_match_one_proce
     clip = ["--clip", "0.3", *VOCABULARY]
     # With gpipe, the untied lm_head's V/T columns on each rank of the last stage.
     untied = ["--untied", "--layers", "3", *VOCABULARY]
-    # The families whose weights GPT-2's and Llama's (tests/test_resume_layouts.py)
-    # do not have, with each block recomputed: GPT-J's head bias split by
-    # vocabulary on the last stage (and its parallel residual), Qwen2's
-    # query/key/value biases over 2 key-value heads, one on each slice.
-    families = {family: [f"--{family}", "--recompute", *clip] for family in ("gptj", "qwen2")}
+    # The other decoder families (GPT-2's and Llama's: above and in
+    # tests/test_resume_layouts.py), with each block recomputed: GPT-J's head
+    # bias split by vocabulary on the last stage (and its parallel residual),
+    # GPT-Neo's local blocks, Pythia's two-norm residual, Qwen2's query/key/value
+    # biases over 2 key-value heads, one on each slice, Mistral's window.
+    families = {family: ["--family", family, "--recompute", *clip]
+                for family in ("gptj", "gpt-neo", "pythia", "qwen2", "mistral")}
     oracles = run_each(SCRIPT, tmp_path, 0, [
         ("global", *clip), ("global-untied", *untied),
         *[(f"global-{family}", *flags) for family, flags in families.items()]])
@@ -101,9 +103,12 @@ def test_two_stages_of_two_slices_and_a_vocabulary_parallel_head_match_one_proce
     _assert_slices_join_to_the_oracle(runs["gpipe"], oracles["global-untied"][0], 2,
                                       "gpipe, untied")
     # Split per block: GPT-J's 5 (GPT-2's but the query/key/value bias), and
-    # its head and the head's bias; Qwen2's 8 (the queries' and the keys' and
-    # values' kernels and biases, the output, the gated network's 3 kernels).
-    for family, split in (("gptj", 4 * 5 + 3), ("qwen2", 4 * 8 + 1)):
+    # its head and the head's bias; GPT-Neo's 5 (the same) and its tied table;
+    # Pythia's 6 (GPT-2's), its head and table; Qwen2's 8 (the queries' and the
+    # keys' and values' kernels and biases, the output, the gated network's 3
+    # kernels); Mistral's 6 (Qwen2's but the biases), its head and table.
+    for family, split in (("gptj", 4 * 5 + 3), ("gpt-neo", 4 * 5 + 1), ("pythia", 4 * 6 + 2),
+                          ("qwen2", 4 * 8 + 1), ("mistral", 4 * 6 + 2)):
         assert len([key for key in runs[family][0] if key.startswith("rule_")]) == split, family
         assert oracles[f"global-{family}"][0]["norms"][0] > 0.3, family
         _assert_slices_join_to_the_oracle(runs[family], oracles[f"global-{family}"][0], 2,

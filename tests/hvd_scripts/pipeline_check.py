@@ -33,7 +33,7 @@ Usage: pipeline_check.py OUT TAG [--global] [--schedule gpipe|1f1b|interleaved]
 [--microbatches M] [--stages P] [--virtual-stages V] [--partition uniform|balanced]
 [--clip C] [--dropout R] [--untied] [--layers L] [--die-at-step K]
 [--precision off|bfloat16|float16] [--overflow-step K] [--zero-stage S] [--rows R]
-[--tensor T] [--vocabulary V] [--recompute] [--gptj] [--qwen2] [--weighted]
+[--tensor T] [--vocabulary V] [--recompute] [--family NAME] [--weighted]
 """
 
 import argparse
@@ -57,6 +57,28 @@ STEPS = 6
 VOCABULARY = 37
 ROWS = 12
 LENGTH = 7
+# Each family's switches on the tiny model (`--family`), the windows under LENGTH:
+# GPT-J's parallel residual, interleaved partial rotary positions, no attention
+# biases and an untied head with a bias; GPT-Neo's unscaled scores and local
+# attention in every other block; Pythia's parallel residual through two norms
+# and split-halves partial rotary positions; Llama's (RMSNorm, rotary, SwiGLU,
+# no output or feed-forward biases) with 4 query heads sharing 2 key-value
+# heads: Qwen2's with query, key and value biases and a tied head, Mistral's
+# with a sliding window, no attention biases and an untied head.
+LLAMA = dict(num_heads=4, num_key_value_heads=2, norm="rms", positions="rotary",
+             feedforward="gated", activation="silu", output_bias=False, feedforward_bias=False)
+FAMILIES = {
+    "gpt2": {},
+    "gptj": dict(positions="rotary", rotary_fraction=0.5, rotary_interleaved=True,
+                 attention_bias=False, output_bias=False, residual="parallel",
+                 tie_embeddings=False, lm_head_bias=True),
+    "gpt-neo": dict(attention_bias=False, scale_attention=False, sliding_window=4,
+                    window_layers="odd"),
+    "pythia": dict(positions="rotary", rotary_fraction=0.5, residual="parallel_two_norms",
+                   tie_embeddings=False),
+    "qwen2": dict(LLAMA, attention_bias=True),
+    "mistral": dict(LLAMA, attention_bias=False, sliding_window=4, tie_embeddings=False),
+}
 
 
 def batches(rows=ROWS, vocabulary=VOCABULARY, weighted=False):
@@ -82,14 +104,8 @@ def main(argv=None):
     parser.add_argument("--clip", type=float, default=0.0)
     parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--untied", action="store_true")
-    parser.add_argument("--gptj", action="store_true",
-                        help="GPT-J's switches: parallel residual, interleaved partial rotary "
-                             "positions, no attention biases, an untied head with a bias")
-    parser.add_argument("--qwen2", action="store_true",
-                        help="Qwen2's switches: Llama's (RMSNorm, rotary positions, SwiGLU, "
-                             "no output or feed-forward biases) with 4 query heads sharing 2 "
-                             "key-value heads, biases on the queries, keys and values, a tied "
-                             "head")
+    parser.add_argument("--family", choices=sorted(FAMILIES), default="gpt2",
+                        help="the family's switches on the tiny model (FAMILIES)")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--die-at-step", type=int, default=0)
     parser.add_argument("--precision", default="off")
@@ -121,18 +137,12 @@ def main(argv=None):
     keras.utils.set_random_seed(7)
     keras.config.set_dtype_policy(POLICIES[args.precision])
 
-    gptj = dict(positions="rotary", rotary_fraction=0.5, rotary_interleaved=True,
-                attention_bias=False, output_bias=False, residual="parallel",
-                tie_embeddings=False, lm_head_bias=True) if args.gptj else {}
-    qwen2 = dict(num_heads=4, num_key_value_heads=2, norm="rms", positions="rotary",
-                 feedforward="gated", activation="silu", attention_bias=True,
-                 output_bias=False, feedforward_bias=False) if args.qwen2 else {}
-
     def build():
         return GPT(vocabulary_size=args.vocabulary, num_layers=args.layers,
                    hidden_dim=8, intermediate_dim=12, max_sequence_length=LENGTH,
                    dropout=args.dropout,
-                   **{"num_heads": 2, "tie_embeddings": not args.untied, **gptj, **qwen2})
+                   **{"num_heads": 2, "tie_embeddings": not args.untied,
+                      **FAMILIES[args.family]})
 
     with contextlib.nullcontext() if args.global_batch else distribution.scope():
         model = build() if args.global_batch else build_unallocated(build)
