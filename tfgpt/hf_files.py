@@ -13,13 +13,14 @@ PyTorch, unless it predates torch's zip format).
 """
 
 import collections.abc
-import hashlib
 import json
 import os
 import struct
 import zipfile
 
 import numpy as np
+
+from pipelines.files import file_sha256
 
 _SAFETENSORS_DTYPES = {
     "F64": np.float64,
@@ -207,15 +208,6 @@ def tokenizer_file(directory):
     if os.path.isfile(json_path) and not (has_model and not is_byte_level(json_path)):
         return json_path
     return model_path if has_model else None
-
-
-def file_sha256(path):
-    """The hex SHA-256 of the file at `path`, read in 1 MiB blocks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        for block in iter(lambda: file.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def identity(directory):

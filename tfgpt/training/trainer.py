@@ -15,6 +15,7 @@ import numpy as np
 import tensorflow as tf
 
 from pipelines import reader
+from pipelines.files import file_sha256
 from tfgpt import hf_files
 from tfgpt.checkpoint import read_config
 from tfgpt.config import FAMILIES, family_of_preset
@@ -90,7 +91,7 @@ def read_init(train_config, family, manifest):
         raise ValueError(f"--init {directory} holds a {found} model; --preset "
                          f"{train_config.preset} trains a {family} model")
     tokenizer = hf_files.tokenizer_file(directory)
-    if tokenizer is not None and (hf_files.file_sha256(tokenizer)
+    if tokenizer is not None and (file_sha256(tokenizer)
                                   != manifest["tokenizer"].get("sha256")):
         raise ValueError(
             f"--data {train_config.data} was prepared with another tokenizer than the "
